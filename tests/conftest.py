@@ -1,0 +1,23 @@
+"""Test-wide settings: Hypothesis profiles and the gpu/distributed tiers.
+
+HYPOTHESIS_PROFILE=ci (the default under CI=true) is derandomized, so a CI
+run is a regression test; ``thorough`` explores far more for local runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)
+settings.register_profile("dev", max_examples=300, deadline=None)
+settings.register_profile(
+    "thorough",
+    max_examples=3000,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+_default = "ci" if os.environ.get("CI") else "dev"
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))

@@ -1,0 +1,86 @@
+"""workspace_manager: explicit decisions about quantized weight workspaces.
+
+A :class:`WorkspacePolicy` turns a :class:`WorkspaceContext` (one module
+call) into a :class:`WorkspacePlan` (cache, forward usage, what backward
+gets, what is released). The package never imports TransformerEngine; the
+``te_integration`` package binds it to TE's modules.
+"""
+
+from ._context import (
+    BackwardOverride,
+    Microbatch,
+    QuantizerCapabilities,
+    RecomputePass,
+    Sharding,
+    WeightSource,
+    WorkspaceContext,
+)
+from ._errors import (
+    ContextTypeError,
+    DuplicateQuantizerError,
+    InvalidCapabilitiesError,
+    InvalidContextError,
+    InvalidPlanError,
+    PolicyMismatchError,
+    UnknownQuantizerError,
+    WorkspaceManagerError,
+)
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._policy import (
+    DistributedWeightWorkspacePolicy,
+    FSDP2WorkspacePolicy,
+    RecomputeWorkspacePolicy,
+    WorkspacePolicy,
+    resolve_policy,
+    select_policy,
+)
+from ._profiles import PROFILES, RECIPE_PROFILES
+from ._registry import (
+    QuantizerRegistry,
+    default_registry,
+    quantizer_capabilities,
+    register_quantizer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # the call, as a policy sees it
+    "WorkspaceContext",
+    "QuantizerCapabilities",
+    "Sharding",
+    "RecomputePass",
+    "WeightSource",
+    "Microbatch",
+    "BackwardOverride",
+    # the plan
+    "WorkspacePlan",
+    "CacheAction",
+    "Usage",
+    "BackwardSource",
+    "ColumnwiseSource",
+    "Release",
+    # policies
+    "WorkspacePolicy",
+    "FSDP2WorkspacePolicy",
+    "RecomputeWorkspacePolicy",
+    "DistributedWeightWorkspacePolicy",
+    "select_policy",
+    "resolve_policy",
+    # quantizer registry and TE profiles
+    "QuantizerRegistry",
+    "default_registry",
+    "register_quantizer",
+    "quantizer_capabilities",
+    "PROFILES",
+    "RECIPE_PROFILES",
+    # errors
+    "WorkspaceManagerError",
+    "InvalidContextError",
+    "ContextTypeError",
+    "PolicyMismatchError",
+    "UnknownQuantizerError",
+    "DuplicateQuantizerError",
+    "InvalidCapabilitiesError",
+    "InvalidPlanError",
+]

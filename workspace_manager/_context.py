@@ -1,0 +1,260 @@
+"""The vocabulary a policy reads: what a module call looks like.
+
+A binding (for example ``te_integration``) describes each call once, at the
+boundary, as a :class:`WorkspaceContext`; everything downstream reads enums
+and typed fields instead of the ``Optional[bool]`` and ``is_fsdp2`` flags TE
+threads through its modules.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ._errors import ContextTypeError, InvalidContextError
+
+__all__ = [
+    "Sharding",
+    "RecomputePass",
+    "WeightSource",
+    "Microbatch",
+    "BackwardOverride",
+    "QuantizerCapabilities",
+    "WorkspaceContext",
+]
+
+
+class Sharding(enum.Enum):
+    """How the module's weight is distributed across ranks."""
+
+    #: A whole weight on every rank (single GPU, DDP, tensor parallel shards).
+    NONE = "none"
+    #: FSDP2 with ``reshard_after_forward=True``: the weight is gathered for
+    #: forward, freed, and gathered again for backward (ZeRO-3).
+    FSDP2_RESHARD = "fsdp2_reshard"
+    #: FSDP2 with ``reshard_after_forward=False``: the gathered weight stays
+    #: from forward to backward, and between microbatches (ZeRO-2 style).
+    FSDP2_KEEP = "fsdp2_keep"
+    #: A distributed weight (TE's ``DistributedWeight``, e.g. GTP) that
+    #: backward gathers again instead of keeping the forward copy.
+    DISTRIBUTED_WEIGHT = "distributed_weight"
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self in (Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP)
+
+
+class RecomputePass(enum.Enum):
+    """Where the call sits in activation recompute (``te.checkpoint``,
+    ``LayerNormMLP(checkpoint=True)``)."""
+
+    #: Not inside an activation-recompute region.
+    NONE = "none"
+    #: The region's first forward: its outputs are kept, its saved tensors are not.
+    FIRST = "first"
+    #: The forward replayed during backward; its saved tensors feed the
+    #: backward that follows at once.
+    RECOMPUTE = "recompute"
+
+
+class WeightSource(enum.Enum):
+    """What the module's weight parameter holds."""
+
+    #: A high-precision parameter (bf16/fp16/fp32) that forward quantizes.
+    HIGH_PRECISION = "high_precision"
+    #: An already quantized parameter: built under ``quantized_model_init``,
+    #: or handed over quantized by the FSDP2 all-gather.
+    QUANTIZED_PARAM = "quantized_param"
+
+
+class Microbatch(enum.Enum):
+    """The call's place in a gradient-accumulation sequence (TE's
+    ``is_first_microbatch``: None, True, False)."""
+
+    #: The caller gave no microbatch position: weights may change between calls.
+    NONE = "none"
+    #: The first microbatch of a step: weights were just updated.
+    FIRST = "first"
+    #: A later microbatch of the same step: weights are unchanged since FIRST.
+    LATER = "later"
+
+    @classmethod
+    def from_is_first_microbatch(cls, value: bool | None) -> Microbatch:
+        """Adapt TE's tri-state ``is_first_microbatch`` argument."""
+        if value is None:
+            return cls.NONE
+        if value is True:
+            return cls.FIRST
+        if value is False:
+            return cls.LATER
+        raise ContextTypeError(
+            f"is_first_microbatch must be None, True or False; received {value!r} "
+            f"({type(value).__name__})"
+        )
+
+
+class BackwardOverride(enum.Enum):
+    """TE's ``backward_override``: how dgrad uses the weight."""
+
+    #: dgrad runs in low precision on the quantized weight's columnwise data.
+    NONE = "none"
+    #: dgrad uses the high-precision weight; no quantized weight reaches backward.
+    HIGH_PRECISION = "high_precision"
+    #: dgrad dequantizes the forward (rowwise) quantized weight.
+    DEQUANTIZED = "dequantized"
+
+    @classmethod
+    def from_te(cls, value: str | None) -> BackwardOverride:
+        """Adapt TE's ``backward_override`` (None or a string)."""
+        if value is None:
+            return cls.NONE
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in cls if m is not cls.NONE)
+            raise InvalidContextError(
+                f"backward_override must be None or one of {allowed}; received {value!r}"
+            ) from None
+
+
+def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
+    """Raise a ContextTypeError naming the field, the value and what is allowed."""
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        if not isinstance(value, expected):
+            allowed = ", ".join(f"{expected.__name__}.{m.name}" for m in expected)
+            raise ContextTypeError(
+                f"{owner}.{name} must be a {expected.__name__} member ({allowed}); "
+                f"received {value!r} ({type(value).__name__})"
+            )
+        return
+    # bool is checked exactly: 0/1 and numpy booleans are rejected so that a
+    # typo such as passing a count does not silently turn into True.
+    if type(value) is not expected:
+        raise ContextTypeError(
+            f"{owner}.{name} must be a {expected.__name__}; received {value!r} "
+            f"({type(value).__name__})"
+        )
+
+
+def _check_fields(obj: Any) -> None:
+    for f in fields(obj):
+        expected = obj._FIELD_TYPES.get(f.name)
+        if expected is not None:
+            _require_type(type(obj).__name__, f.name, getattr(obj, f.name), expected)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizerCapabilities:
+    """What a weight quantizer's format can do; the registry maps quantizer
+    classes to one of these.
+
+    The policies read three facts; ``name`` only labels tables and errors.
+    """
+
+    name: str
+    """A short label, e.g. ``"float8_per_tensor"``."""
+    columnwise_derivable: bool
+    """Columnwise (transposed) data can be made from rowwise data after the
+    fact, bit for bit: per-tensor FP8 (a transpose), 2D block FP8 and 2D NVFP4.
+    MXFP8, 1D block FP8 and hybrid formats must quantize each direction from
+    the high-precision weight."""
+    derived_caches: bool
+    """The quantized tensor keeps derived data (an FP8 transpose, derived
+    columnwise blocks) in memory the quantizer allocated itself. FSDP2 frees
+    only what it allocated, so such data must be cleared explicitly."""
+    requantization_safe: bool
+    """Quantizing the same high-precision weight again reproduces the first
+    quantization exactly (TE's ``is_requantization_safe``). False for delayed
+    scaling and stochastic rounding. A plan that rebuilds in backward with an
+    unsafe quantizer says so in its notes."""
+
+    _FIELD_TYPES = {
+        "name": str,
+        "columnwise_derivable": bool,
+        "derived_caches": bool,
+        "requantization_safe": bool,
+    }
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not self.name.strip():
+            raise InvalidContextError("QuantizerCapabilities.name must be a non-empty string; received ''")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceContext:
+    """One module call, as a policy sees it. Build it once per call at the
+    binding boundary; it is immutable and hashable."""
+
+    capabilities: QuantizerCapabilities
+    """The weight quantizer's capabilities (from the registry)."""
+    sharding: Sharding = Sharding.NONE
+    """How the weight is distributed."""
+    recompute: RecomputePass = RecomputePass.NONE
+    """The activation-recompute pass, if any."""
+    grad_enabled: bool = True
+    """``torch.is_grad_enabled()`` during the call. False with no recompute
+    pass means inference."""
+    input_requires_grad: bool = True
+    """Backward computes the input gradient (dgrad) through this weight.
+    Linear passes ``inp.requires_grad``; LayerNormLinear and LayerNormMLP
+    pass True, since their norm parameters need dgrad whatever the input."""
+    weight: WeightSource = WeightSource.HIGH_PRECISION
+    """Whether the weight arrives high precision or already quantized."""
+    microbatch: Microbatch = Microbatch.NONE
+    """The position in a gradient-accumulation sequence."""
+    backward_override: BackwardOverride = BackwardOverride.NONE
+    """TE's ``backward_override``."""
+
+    _FIELD_TYPES = {
+        "capabilities": QuantizerCapabilities,
+        "sharding": Sharding,
+        "recompute": RecomputePass,
+        "grad_enabled": bool,
+        "input_requires_grad": bool,
+        "weight": WeightSource,
+        "microbatch": Microbatch,
+        "backward_override": BackwardOverride,
+    }
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.recompute is RecomputePass.RECOMPUTE and not self.grad_enabled:
+            raise InvalidContextError(
+                "WorkspaceContext: recompute=RecomputePass.RECOMPUTE requires grad_enabled=True "
+                "(the recompute pass exists only to feed backward); received grad_enabled=False. "
+                "Use RecomputePass.FIRST for a region's first forward, or RecomputePass.NONE."
+            )
+
+    # Derived facts every policy asks; kept here so that no policy spells
+    # them differently (TE's modules disagree on exactly these).
+    @property
+    def training(self) -> bool:
+        """A backward pass will follow this call (directly or after recompute)."""
+        return self.grad_enabled and self.recompute is not RecomputePass.FIRST
+
+    @property
+    def needs_dgrad(self) -> bool:
+        """Backward will compute the input gradient through this weight."""
+        return self.training and self.input_requires_grad
+
+    @property
+    def quantized_dgrad(self) -> bool:
+        """dgrad will read the weight's columnwise quantized data."""
+        return self.needs_dgrad and self.backward_override is BackwardOverride.NONE
+
+    @property
+    def is_quantized_param(self) -> bool:
+        return self.weight is WeightSource.QUANTIZED_PARAM
+
+    def as_plain_forward(self) -> WorkspaceContext:
+        """The same call with the recompute pass removed (for policies that
+        delegate the non-recompute part of a decision)."""
+        return _replace(self, recompute=RecomputePass.NONE)
+
+
+def _replace(ctx: WorkspaceContext, **changes: Any) -> WorkspaceContext:
+    values = {f.name: getattr(ctx, f.name) for f in fields(ctx) if f.init}
+    values.update(changes)
+    return WorkspaceContext(**values)

@@ -1,0 +1,53 @@
+"""Exceptions raised by the workspace manager.
+
+Every error raised for user input is a subclass of :class:`ValueError` or
+:class:`TypeError`, so callers that already guard configuration code with
+those built-ins keep working, and each message says what was received and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "WorkspaceManagerError",
+    "InvalidContextError",
+    "ContextTypeError",
+    "PolicyMismatchError",
+    "UnknownQuantizerError",
+    "DuplicateQuantizerError",
+    "InvalidCapabilitiesError",
+    "InvalidPlanError",
+]
+
+
+class WorkspaceManagerError(Exception):
+    """Base class of every error the workspace manager raises on purpose."""
+
+
+class InvalidContextError(WorkspaceManagerError, ValueError):
+    """A call context whose fields are of the right type but cannot occur together."""
+
+
+class ContextTypeError(WorkspaceManagerError, TypeError):
+    """A call context or capability field that received a value of the wrong type."""
+
+
+class PolicyMismatchError(WorkspaceManagerError, ValueError):
+    """A policy was asked to plan a call in a setting it does not cover."""
+
+
+class UnknownQuantizerError(WorkspaceManagerError, TypeError):
+    """No capabilities are registered for a quantizer class or any of its bases."""
+
+
+class DuplicateQuantizerError(WorkspaceManagerError, ValueError):
+    """A quantizer class was registered twice without ``override=True``."""
+
+
+class InvalidCapabilitiesError(WorkspaceManagerError, TypeError):
+    """A registration whose capabilities are neither a profile nor a callable returning one."""
+
+
+class InvalidPlanError(WorkspaceManagerError, ValueError):
+    """A plan whose decisions contradict each other (raised when a policy,
+    typically a user-written one, builds such a plan)."""

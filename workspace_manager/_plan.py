@@ -1,0 +1,194 @@
+"""What a policy decides for one call: a :class:`WorkspacePlan`.
+
+One field per decision, each an enum: whether the cache is used, which
+usages forward builds, what backward gets and where its columnwise data
+comes from, and what is released afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import InvalidPlanError
+
+__all__ = ["CacheAction", "Usage", "BackwardSource", "ColumnwiseSource", "Release", "WorkspacePlan"]
+
+
+class CacheAction(enum.Enum):
+    """What the call does with the module's workspace cache."""
+
+    #: Quantize a fresh workspace; the cache is neither read nor written.
+    BYPASS = "bypass"
+    #: Quantize into the cache (refreshing an existing entry in place).
+    FILL = "fill"
+    #: Use the cached workspace as it is; the weight has not changed since it
+    #: was filled. If it is missing or lacks a planned usage, fill it.
+    REUSE = "reuse"
+    #: Use the cached workspace if it holds the planned usages; otherwise
+    #: quantize a fresh one and do not store it.
+    READ_ONLY = "read_only"
+
+    @property
+    def writes(self) -> bool:
+        """The call may store a workspace in the cache."""
+        return self in (CacheAction.FILL, CacheAction.REUSE)
+
+    @property
+    def reads(self) -> bool:
+        """The call may use a workspace already in the cache."""
+        return self in (CacheAction.REUSE, CacheAction.READ_ONLY)
+
+
+class Usage(enum.Flag):
+    """Directions of quantized data: rowwise feeds fprop, columnwise feeds dgrad."""
+
+    NONE = 0
+    ROWWISE = enum.auto()
+    COLUMNWISE = enum.auto()
+    BOTH = ROWWISE | COLUMNWISE
+
+    @property
+    def label(self) -> str:
+        return {0: "none", 1: "rowwise", 2: "columnwise", 3: "rowwise+columnwise"}[self.value]
+
+
+class BackwardSource(enum.Enum):
+    """The quantized weight backward uses, and where it comes from."""
+
+    #: No quantized weight reaches backward (no grad, no dgrad, or a
+    #: first recompute pass whose saved tensors are dropped).
+    NONE = "none"
+    #: The workspace forward quantized (or took from the cache), saved for backward.
+    SAVED_WORKSPACE = "saved_workspace"
+    #: The quantized parameter itself, saved for backward (for FSDP2 it is
+    #: the gathered parameter; backward's all-gather refills it).
+    SAVED_PARAMETER = "saved_parameter"
+    #: Nothing quantized is saved; backward quantizes the high-precision
+    #: weight again (under FSDP2 the weight backward gathers).
+    REQUANTIZE = "requantize"
+    #: ``backward_override="high_precision"``: dgrad reads the high-precision weight.
+    HIGH_PRECISION = "high_precision"
+
+    @property
+    def saves_quantized(self) -> bool:
+        """Forward keeps a quantized tensor alive for backward."""
+        return self in (BackwardSource.SAVED_WORKSPACE, BackwardSource.SAVED_PARAMETER)
+
+
+class ColumnwiseSource(enum.Enum):
+    """Where dgrad's columnwise data comes from."""
+
+    #: dgrad does not read columnwise data.
+    NOT_NEEDED = "not_needed"
+    #: Built by the forward quantization (saved workspace or cache).
+    FORWARD = "forward"
+    #: Carried by the quantized parameter since it was created.
+    PARAMETER = "parameter"
+    #: Derived from rowwise data after the fact (needs a derivable format).
+    DERIVED = "derived"
+    #: Quantized from the high-precision weight in backward.
+    REQUANTIZED = "requantized"
+    #: Sent by FSDP2's backward all-gather (formats that cannot derive it).
+    GATHERED = "gathered"
+
+
+class Release(enum.Flag):
+    """What is released once the call's backward is done."""
+
+    NOTHING = 0
+    #: Clear derived columnwise data (an FP8 transpose, derived columnwise
+    #: blocks) on the quantized parameter after this call's backward: the
+    #: quantizer allocated it, so FSDP2's reshard cannot free it (TE#2717).
+    DERIVED_COLUMNWISE = enum.auto()
+    #: Drop the module's cached workspace after the step's last backward,
+    #: instead of keeping it until the next FILL.
+    CACHED_WORKSPACE = enum.auto()
+
+    @property
+    def label(self) -> str:
+        if self is Release.NOTHING:
+            return "nothing"
+        parts = [m.name.lower() for m in (Release.DERIVED_COLUMNWISE, Release.CACHED_WORKSPACE) if m in self]
+        return "+".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspacePlan:
+    """The four workspace decisions for one call.
+
+    Plans are values: equal inputs give equal plans, and plans hash, so a
+    binding may memoize them per context.
+    """
+
+    cache: CacheAction
+    """Is the workspace cached across calls, and is it refreshed this call."""
+    forward_usage: Usage
+    """Usages the forward quantization builds (for a quantized parameter:
+    the usage forward reads; the parameter keeps the usages it has)."""
+    backward_source: BackwardSource
+    """What backward gets: saved workspace, saved parameter, or a rebuild."""
+    backward_usage: Usage
+    """Usages backward reads on that weight: columnwise for quantized dgrad,
+    rowwise for ``backward_override="dequantized"``, none otherwise."""
+    columnwise_source: ColumnwiseSource
+    """Where dgrad's columnwise data comes from."""
+    release: Release
+    """What is released after backward."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Why the plan is what it is, in words, for tables and reports."""
+
+    def __post_init__(self) -> None:
+        for problem in _contradictions(self):
+            raise InvalidPlanError(f"Inconsistent WorkspacePlan {self.summary()}: {problem}")
+
+    @property
+    def saves_quantized(self) -> bool:
+        return self.backward_source.saves_quantized
+
+    def summary(self) -> str:
+        return (
+            f"cache={self.cache.value} forward={self.forward_usage.label} "
+            f"backward={self.backward_source.value}({self.backward_usage.label}) "
+            f"columnwise={self.columnwise_source.value} release={self.release.label}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cache": self.cache.value,
+            "forward_usage": self.forward_usage.label,
+            "backward_source": self.backward_source.value,
+            "backward_usage": self.backward_usage.label,
+            "columnwise_source": self.columnwise_source.value,
+            "release": self.release.label,
+            "notes": list(self.notes),
+        }
+
+
+def _contradictions(plan: WorkspacePlan) -> list[str]:
+    """Rules every plan obeys, whatever policy built it."""
+    problems = []
+    if plan.forward_usage not in (Usage.ROWWISE, Usage.BOTH):
+        problems.append("forward_usage must include rowwise (fprop reads it)")
+    if plan.backward_source in (BackwardSource.NONE, BackwardSource.HIGH_PRECISION):
+        if plan.backward_usage is not Usage.NONE:
+            problems.append(f"backward_source={plan.backward_source.value} reads no quantized weight")
+    elif plan.backward_usage is Usage.NONE:
+        problems.append(f"backward_source={plan.backward_source.value} but backward_usage is none")
+    needs_columnwise = Usage.COLUMNWISE in plan.backward_usage
+    if needs_columnwise != (plan.columnwise_source is not ColumnwiseSource.NOT_NEEDED):
+        problems.append("columnwise_source must be not_needed exactly when backward reads no columnwise data")
+    if plan.columnwise_source is ColumnwiseSource.FORWARD and (
+        Usage.COLUMNWISE not in plan.forward_usage or plan.backward_source is not BackwardSource.SAVED_WORKSPACE
+    ):
+        problems.append("columnwise from forward needs a saved workspace built with columnwise usage")
+    if (plan.columnwise_source is ColumnwiseSource.REQUANTIZED) != (
+        plan.backward_source is BackwardSource.REQUANTIZE and needs_columnwise
+    ):
+        problems.append("columnwise is requantized exactly when backward requantizes for dgrad")
+    if plan.columnwise_source in (ColumnwiseSource.PARAMETER, ColumnwiseSource.GATHERED) and (
+        plan.backward_source is not BackwardSource.SAVED_PARAMETER
+    ):
+        problems.append("columnwise from the parameter or its gather needs backward_source=saved_parameter")
+    return problems

@@ -1,0 +1,424 @@
+"""Workspace policies: one pure ``plan(context)`` per policy.
+
+[Note: workspace lifetime]
+A "workspace" is the quantized copy of a high-precision weight. Its life
+per policy, for one training step (F = forward, B = backward, layer i of
+n; "row" and "col" are the rowwise and columnwise data)::
+
+  WorkspacePolicy (plain; whole weights)
+    F_i: quantize row+col ──► saved for B_i ──► B_i: dgrad reads col ──► freed with the autograd graph
+    with microbatches: FILL on the first, REUSE on later ones; the cache
+    keeps row+col of every layer from step to step (refreshed in place).
+
+  FSDP2WorkspacePolicy, reshard_after_forward=True (TE#2681, TE#2717)
+    F_i: gather W ─► quantize row ─► GEMM ─► freed at once (nothing saved)
+    B_i: gather W ─► quantize col (REQUANTIZE) ─► dgrad ─► freed
+    quantized parameters: saved as the gathered parameter; B_i's gather
+    derives col in quantizer-owned memory ─► cleared after B_i
+    (Release.DERIVED_COLUMNWISE); FSDP2 frees only what it allocated.
+
+  FSDP2WorkspacePolicy, reshard_after_forward=False, with microbatches
+    first F_i: FILL row+col ─► saved ─► reused by every later microbatch
+    the step's last B_i done ─► cache dropped (Release.CACHED_WORKSPACE)
+    without microbatches: as reshard_after_forward=True.
+
+  RecomputeWorkspacePolicy(inner) (te.checkpoint, LayerNormMLP(checkpoint=True))
+    first pass F_i: quantize row (row+col only when filling a cache the
+    recompute pass will read) ─► nothing saved
+    recompute pass F_i: cache READ_ONLY, never written ─► quantize row+col
+    ─► saved ─► B_i follows at once ─► freed; the inner policy decides
+    caching and what is released.
+
+  DistributedWeightWorkspacePolicy
+    F_i: quantize row of the gathered weight ─► freed (nothing saved)
+    B_i: gather again ─► quantize col ─► dgrad ─► freed
+
+Bindings cite this note by its title where they act on a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from ._context import (
+    BackwardOverride,
+    Microbatch,
+    RecomputePass,
+    Sharding,
+    WorkspaceContext,
+)
+from ._errors import ContextTypeError, PolicyMismatchError
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+
+__all__ = [
+    "WorkspacePolicy",
+    "FSDP2WorkspacePolicy",
+    "RecomputeWorkspacePolicy",
+    "DistributedWeightWorkspacePolicy",
+    "select_policy",
+    "resolve_policy",
+    "backward_usage",
+]
+
+
+def backward_usage(ctx: WorkspaceContext, source: BackwardSource) -> Usage:
+    """The usages backward reads on the weight it gets (not a policy choice)."""
+    if source in (BackwardSource.NONE, BackwardSource.HIGH_PRECISION):
+        return Usage.NONE
+    if ctx.backward_override is BackwardOverride.DEQUANTIZED:
+        return Usage.ROWWISE
+    return Usage.COLUMNWISE
+
+
+def _source_without_rebuild(ctx: WorkspaceContext) -> BackwardSource:
+    """What backward gets when forward keeps what it quantized."""
+    if not ctx.needs_dgrad:
+        # wgrad reads the input and grad_output only: keeping the weight's
+        # workspace for a backward without dgrad holds memory for nothing.
+        return BackwardSource.NONE
+    if ctx.backward_override is BackwardOverride.HIGH_PRECISION:
+        return BackwardSource.HIGH_PRECISION
+    if ctx.is_quantized_param:
+        return BackwardSource.SAVED_PARAMETER
+    return BackwardSource.SAVED_WORKSPACE
+
+
+def _cache_by_microbatch(ctx: WorkspaceContext) -> CacheAction:
+    """TE's rule: the cache is used only when the caller says where in the
+    microbatch sequence it is, and never for a quantized parameter."""
+    if ctx.is_quantized_param or ctx.microbatch is Microbatch.NONE:
+        return CacheAction.BYPASS
+    return CacheAction.FILL if ctx.microbatch is Microbatch.FIRST else CacheAction.REUSE
+
+
+@dataclass(frozen=True)
+class WorkspacePolicy:
+    """The plain policy, for whole (unsharded) weights: single GPU, DDP,
+    tensor parallel.
+
+    Keeps alive: the workspace, built with rowwise and (when backward runs
+    quantized dgrad) columnwise data, from forward until this layer's
+    backward; with microbatch positions, one cached workspace per weight
+    that lives from step to step and is refreshed in place on each first
+    microbatch. Frees: the saved workspace with the autograd graph. Releases
+    nothing explicitly. This is TE 2.20.2's behaviour, minus the waste
+    listed in ``docs/decisions.md``.
+
+    Subclasses answer the same five questions (``cache_action``,
+    ``forward_usage``, ``backward_source``, ``columnwise_source``,
+    ``release``); :meth:`plan` asks them in order. See [Note: workspace
+    lifetime] in this module.
+    """
+
+    #: Weight distributions this policy plans for.
+    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.NONE})
+    #: Short name used by tables, the CLI and error messages.
+    label: ClassVar[str] = "plain"
+
+    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        """Decide the workspace's fate for one call. Pure: the same context
+        always gives the same plan."""
+        self.check_context(ctx)
+        return self._plan_unchecked(ctx)
+
+    def covers(self, ctx: WorkspaceContext) -> bool:
+        return ctx.sharding in self.shardings and ctx.recompute is RecomputePass.NONE
+
+    def check_context(self, ctx: WorkspaceContext) -> None:
+        if not isinstance(ctx, WorkspaceContext):
+            raise ContextTypeError(
+                f"{type(self).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
+            )
+        if ctx.sharding not in self.shardings:
+            raise PolicyMismatchError(_sharding_mismatch(self, ctx))
+        if ctx.recompute is not RecomputePass.NONE:
+            raise PolicyMismatchError(
+                f"{type(self).__name__} does not plan activation-recompute passes; this call has "
+                f"recompute=RecomputePass.{ctx.recompute.name}. Wrap it: "
+                f"RecomputeWorkspacePolicy(inner={type(self).__name__}()), or let select_policy choose."
+            )
+
+    def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        cache = self.cache_action(ctx)
+        forward = self.forward_usage(ctx, cache)
+        source = self.backward_source(ctx, cache)
+        columnwise = self.columnwise_source(ctx, source, forward)
+        release = self.release(ctx, cache)
+        return _assemble(ctx, cache, forward, source, columnwise, release)
+
+    # -- the five questions -------------------------------------------------
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        """Is the workspace cached across calls, and refreshed this call?"""
+        return _cache_by_microbatch(ctx)
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        """Which usages does the forward quantization build?"""
+        if ctx.is_quantized_param:
+            return Usage.ROWWISE
+        return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        """What does backward get: a saved workspace, the saved quantized
+        parameter, or a rebuild from the high-precision weight?"""
+        return _source_without_rebuild(ctx)
+
+    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
+        """Where does dgrad's columnwise data come from?"""
+        return _columnwise_for(ctx, source, forward, parameter=ColumnwiseSource.PARAMETER)
+
+    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
+        """What is released after backward? Whole weights own their caches."""
+        return Release.NOTHING
+
+
+def _columnwise_for(
+    ctx: WorkspaceContext, source: BackwardSource, forward: Usage, *, parameter: ColumnwiseSource
+) -> ColumnwiseSource:
+    if Usage.COLUMNWISE not in backward_usage(ctx, source):
+        return ColumnwiseSource.NOT_NEEDED
+    if source is BackwardSource.REQUANTIZE:
+        return ColumnwiseSource.REQUANTIZED
+    if source is BackwardSource.SAVED_PARAMETER:
+        return parameter
+    if Usage.COLUMNWISE in forward:
+        return ColumnwiseSource.FORWARD
+    if ctx.capabilities.columnwise_derivable:
+        return ColumnwiseSource.DERIVED
+    raise PolicyMismatchError(
+        f"A plan saves a rowwise-only workspace for quantized dgrad, but quantizer "
+        f"{ctx.capabilities.name!r} cannot derive columnwise data from rowwise data. "
+        "Build columnwise in forward or requantize in backward."
+    )
+
+
+def _sharding_mismatch(policy: WorkspacePolicy, ctx: WorkspaceContext) -> str:
+    allowed = ", ".join(f"Sharding.{s.name}" for s in sorted(policy.shardings, key=lambda s: s.name))
+    hint = {
+        Sharding.NONE: "If the module should be sharded, call fully_shard on it (or an ancestor) "
+        "before its first forward; otherwise pin WorkspacePolicy() or let select_policy choose.",
+    }.get(ctx.sharding, f"Pin {type(select_policy(ctx.as_plain_forward())).__name__}() or let select_policy choose.")
+    return (
+        f"{type(policy).__name__} plans only for weights with sharding in ({allowed}); this call's "
+        f"weight has Sharding.{ctx.sharding.name}. {hint}"
+    )
+
+
+@dataclass(frozen=True)
+class FSDP2WorkspacePolicy(WorkspacePolicy):
+    """For weights sharded by FSDP2 (``fully_shard``).
+
+    Keeps alive: with ``reshard_after_forward=True``, no quantized copy of a
+    high-precision weight outlives its GEMM: forward builds rowwise data
+    only, nothing is saved, and backward quantizes the weight it gathers
+    again (TE#2681). A quantized parameter is saved as the gathered
+    parameter; columnwise data its backward gather derives in
+    quantizer-owned memory is cleared after that layer's backward (TE#2717).
+    With ``reshard_after_forward=False`` and microbatch positions, the
+    gathered weight stays between microbatches, so one workspace per weight
+    is filled on the first microbatch, reused by the later ones, and
+    dropped after the step's last backward.
+    """
+
+    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
+    label: ClassVar[str] = "fsdp2"
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        if ctx.sharding is Sharding.FSDP2_RESHARD or not ctx.grad_enabled:
+            # Resharding frees the gathered weight after each forward; a
+            # cached quantized copy would keep it alive per layer. Without
+            # grad there is no backward to drop the cache after.
+            return CacheAction.BYPASS
+        return _cache_by_microbatch(ctx)
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        if cache is CacheAction.BYPASS:
+            # Nothing built here outlives the call, so columnwise would be waste.
+            return Usage.ROWWISE
+        return super().forward_usage(ctx, cache)
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        source = _source_without_rebuild(ctx)
+        if source is BackwardSource.SAVED_WORKSPACE and cache is CacheAction.BYPASS:
+            return BackwardSource.REQUANTIZE
+        return source
+
+    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
+        # TE's FSDP2 hooks gather rowwise data and derive columnwise where the
+        # format allows it; other formats gather the columnwise data itself.
+        via_gather = ColumnwiseSource.DERIVED if ctx.capabilities.columnwise_derivable else ColumnwiseSource.GATHERED
+        return _columnwise_for(ctx, source, forward, parameter=via_gather)
+
+    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
+        release = Release.NOTHING
+        if not ctx.grad_enabled:
+            return release
+        if ctx.is_quantized_param and ctx.capabilities.derived_caches:
+            # Cleared even when dgrad does not run: the backward gather
+            # derives columnwise data regardless (TE clears only after dgrad).
+            release |= Release.DERIVED_COLUMNWISE
+        if cache is not CacheAction.BYPASS:
+            release |= Release.CACHED_WORKSPACE
+        return release
+
+
+@dataclass(frozen=True)
+class DistributedWeightWorkspacePolicy(WorkspacePolicy):
+    """For TE distributed weights (``DistributedWeight``, e.g. GTP), which
+    backward gathers again.
+
+    Keeps alive: nothing beyond the GEMM. Forward quantizes rowwise data of
+    the gathered weight; backward gathers it again and quantizes columnwise
+    data. No cache: a cached copy would hold the whole gathered weight.
+    """
+
+    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.DISTRIBUTED_WEIGHT})
+    label: ClassVar[str] = "distributed_weight"
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        return CacheAction.BYPASS
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        return Usage.ROWWISE
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        source = _source_without_rebuild(ctx)
+        if source.saves_quantized:
+            return BackwardSource.REQUANTIZE
+        return source
+
+
+@dataclass(frozen=True)
+class RecomputeWorkspacePolicy(WorkspacePolicy):
+    """For modules inside activation recompute (``te.checkpoint``,
+    ``LayerNormMLP(checkpoint=True)``), wrapping the policy of the weight's
+    sharding (``inner``).
+
+    Keeps alive: in the first pass, nothing for backward (its saved tensors
+    are dropped); columnwise data is built only when the pass fills a cache
+    that the recompute pass will read. In the recompute pass the cache is
+    only read, never written; the workspace is built with the usages
+    backward needs and saved, since that layer's backward follows at once,
+    so it is never quantized twice. Caching and what is released after
+    backward are the inner policy's decisions. Calls outside a recompute
+    region are planned by ``inner`` unchanged.
+    """
+
+    inner: WorkspacePolicy = field(default_factory=WorkspacePolicy)
+    label: ClassVar[str] = "recompute"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, WorkspacePolicy) or isinstance(self.inner, RecomputeWorkspacePolicy):
+            raise ContextTypeError(
+                "RecomputeWorkspacePolicy.inner must be a non-recompute WorkspacePolicy "
+                f"(e.g. FSDP2WorkspacePolicy()); received {self.inner!r}"
+            )
+
+    @property
+    def shardings(self) -> frozenset[Sharding]:  # type: ignore[override]
+        return self.inner.shardings
+
+    def covers(self, ctx: WorkspaceContext) -> bool:
+        return ctx.sharding in self.shardings
+
+    def check_context(self, ctx: WorkspaceContext) -> None:
+        self.inner.check_context(ctx.as_plain_forward())
+
+    def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        if ctx.recompute is RecomputePass.NONE:
+            return self.inner._plan_unchecked(ctx)
+        return super()._plan_unchecked(ctx)
+
+    def _inner_cache(self, ctx: WorkspaceContext) -> CacheAction:
+        # The first pass is the step's real forward even when the reentrant
+        # checkpoint runs it without grad, so the inner policy is asked as
+        # for a training forward.
+        return self.inner.cache_action(replace(ctx.as_plain_forward(), grad_enabled=True))
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        cache = self._inner_cache(ctx)
+        if ctx.recompute is RecomputePass.RECOMPUTE and cache is not CacheAction.BYPASS:
+            return CacheAction.READ_ONLY
+        return cache
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        if ctx.is_quantized_param:
+            return Usage.ROWWISE
+        if ctx.recompute is RecomputePass.FIRST:
+            later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
+            return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
+        return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        if ctx.recompute is RecomputePass.FIRST:
+            return BackwardSource.NONE
+        return _source_without_rebuild(ctx)
+
+    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
+        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
+
+    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
+        if ctx.recompute is RecomputePass.FIRST:
+            return Release.NOTHING
+        return self.inner.release(ctx.as_plain_forward(), self._inner_cache(ctx))
+
+
+_SHARDING_POLICIES: dict[Sharding, type[WorkspacePolicy]] = {
+    Sharding.NONE: WorkspacePolicy,
+    Sharding.FSDP2_RESHARD: FSDP2WorkspacePolicy,
+    Sharding.FSDP2_KEEP: FSDP2WorkspacePolicy,
+    Sharding.DISTRIBUTED_WEIGHT: DistributedWeightWorkspacePolicy,
+}
+
+
+def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
+    """The policy the manager uses for a call when none is pinned: by the
+    weight's sharding, wrapped for recompute passes."""
+    if not isinstance(ctx, WorkspaceContext):
+        raise ContextTypeError(f"select_policy expects a WorkspaceContext; received {type(ctx).__name__}")
+    base = _SHARDING_POLICIES[ctx.sharding]()
+    if ctx.recompute is RecomputePass.NONE:
+        return base
+    return RecomputeWorkspacePolicy(inner=base)
+
+
+def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePolicy:
+    """The policy for a call: ``pinned`` if given (wrapped for recompute
+    passes when it is not a recompute policy itself), else :func:`select_policy`.
+
+    A pinned policy is not second-guessed: if it does not cover the call's
+    setting, planning raises :class:`PolicyMismatchError`.
+    """
+    if pinned is None:
+        return select_policy(ctx)
+    if not isinstance(pinned, WorkspacePolicy):
+        raise ContextTypeError(
+            f"a pinned policy must be a WorkspacePolicy instance (e.g. FSDP2WorkspacePolicy()); "
+            f"received {pinned!r} ({type(pinned).__name__})"
+        )
+    if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
+        return RecomputeWorkspacePolicy(inner=pinned)
+    return pinned
+
+
+def _assemble(
+    ctx: WorkspaceContext,
+    cache: CacheAction,
+    forward: Usage,
+    source: BackwardSource,
+    columnwise: ColumnwiseSource,
+    release: Release,
+) -> WorkspacePlan:
+    from ._explain import plan_notes  # notes are presentation; kept out of the decisions
+
+    usage = backward_usage(ctx, source)
+    notes = plan_notes(ctx, cache, forward, source, columnwise, release)
+    return WorkspacePlan(
+        cache=cache,
+        forward_usage=forward,
+        backward_source=source,
+        backward_usage=usage,
+        columnwise_source=columnwise,
+        release=release,
+        notes=notes,
+    )
