@@ -34,13 +34,15 @@ def plan_notes(
 ) -> tuple[str, ...]:
     """Why a plan is what it is, one short sentence per decision that needs one."""
     notes = [_cache_note(ctx, cache)]
-    if source is BackwardSource.REQUANTIZE:
+    if source is BackwardSource.REGATHER:
+        notes.append("nothing is saved; backward gathers the distributed weight again")
+    elif source is BackwardSource.REQUANTIZE:
         notes.append("nothing quantized is saved; backward quantizes the weight it has again")
-        if not ctx.capabilities.requantization_safe:
-            notes.append(
-                f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
-                "quantization than fprop (TE 2.20 does the same)"
-            )
+    if columnwise is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
+        notes.append(
+            f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
+            "quantization than fprop (TE 2.20 does the same)"
+        )
     if source is BackwardSource.NONE and ctx.training and not ctx.input_requires_grad:
         notes.append("no dgrad: nothing is kept for backward")
     if columnwise is ColumnwiseSource.DERIVED:

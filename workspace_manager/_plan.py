@@ -68,6 +68,9 @@ class BackwardSource(enum.Enum):
     #: Nothing quantized is saved; backward quantizes the high-precision
     #: weight again (under FSDP2 the weight backward gathers).
     REQUANTIZE = "requantize"
+    #: Nothing is saved; backward gathers the distributed weight again and
+    #: quantizes it if it arrives in high precision (TE's ``DistributedWeight``).
+    REGATHER = "regather"
     #: ``backward_override="high_precision"``: dgrad reads the high-precision weight.
     HIGH_PRECISION = "high_precision"
 
@@ -183,12 +186,19 @@ def _contradictions(plan: WorkspacePlan) -> list[str]:
         Usage.COLUMNWISE not in plan.forward_usage or plan.backward_source is not BackwardSource.SAVED_WORKSPACE
     ):
         problems.append("columnwise from forward needs a saved workspace built with columnwise usage")
-    if (plan.columnwise_source is ColumnwiseSource.REQUANTIZED) != (
-        plan.backward_source is BackwardSource.REQUANTIZE and needs_columnwise
+    if plan.columnwise_source is ColumnwiseSource.REQUANTIZED and plan.backward_source not in (
+        BackwardSource.REQUANTIZE,
+        BackwardSource.REGATHER,
     ):
-        problems.append("columnwise is requantized exactly when backward requantizes for dgrad")
-    if plan.columnwise_source in (ColumnwiseSource.PARAMETER, ColumnwiseSource.GATHERED) and (
-        plan.backward_source is not BackwardSource.SAVED_PARAMETER
+        problems.append("columnwise can be requantized only by a backward that requantizes or re-gathers")
+    if plan.backward_source is BackwardSource.REQUANTIZE and needs_columnwise:
+        if plan.columnwise_source is not ColumnwiseSource.REQUANTIZED:
+            problems.append("a backward that requantizes for dgrad gets columnwise data by requantizing")
+    if plan.columnwise_source is ColumnwiseSource.PARAMETER and plan.backward_source is not BackwardSource.SAVED_PARAMETER:
+        problems.append("columnwise from the parameter needs backward_source=saved_parameter")
+    if plan.columnwise_source is ColumnwiseSource.GATHERED and plan.backward_source not in (
+        BackwardSource.SAVED_PARAMETER,
+        BackwardSource.REGATHER,
     ):
-        problems.append("columnwise from the parameter or its gather needs backward_source=saved_parameter")
+        problems.append("columnwise from a gather needs a saved parameter or a re-gathered weight")
     return problems

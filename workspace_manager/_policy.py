@@ -115,6 +115,9 @@ class WorkspacePolicy:
     shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.NONE})
     #: Short name used by tables, the CLI and error messages.
     label: ClassVar[str] = "plain"
+    #: Backward obtains the weight again by itself (a distributed weight), so
+    #: nothing forward builds can serve it, not even in a recompute pass.
+    backward_regathers: ClassVar[bool] = False
 
     def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
         """Decide the workspace's fate for one call. Pure: the same context
@@ -179,6 +182,8 @@ def _columnwise_for(
         return ColumnwiseSource.NOT_NEEDED
     if source is BackwardSource.REQUANTIZE:
         return ColumnwiseSource.REQUANTIZED
+    if source is BackwardSource.REGATHER:
+        return ColumnwiseSource.GATHERED if ctx.is_quantized_param else ColumnwiseSource.REQUANTIZED
     if source is BackwardSource.SAVED_PARAMETER:
         return parameter
     if Usage.COLUMNWISE in forward:
@@ -269,11 +274,13 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
 
     Keeps alive: nothing beyond the GEMM. Forward quantizes rowwise data of
     the gathered weight; backward gathers it again and quantizes columnwise
-    data. No cache: a cached copy would hold the whole gathered weight.
+    data (a weight that arrives quantized brings its own). No cache: a
+    cached copy would hold the whole gathered weight.
     """
 
     shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.DISTRIBUTED_WEIGHT})
     label: ClassVar[str] = "distributed_weight"
+    backward_regathers: ClassVar[bool] = True
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         return CacheAction.BYPASS
@@ -284,7 +291,7 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         source = _source_without_rebuild(ctx)
         if source.saves_quantized:
-            return BackwardSource.REQUANTIZE
+            return BackwardSource.REGATHER
         return source
 
 
@@ -322,7 +329,10 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         return ctx.sharding in self.shardings
 
     def check_context(self, ctx: WorkspaceContext) -> None:
-        self.inner.check_context(ctx.as_plain_forward())
+        try:
+            self.inner.check_context(ctx.as_plain_forward())
+        except PolicyMismatchError as err:
+            raise PolicyMismatchError(f"{self!r} cannot plan this call: {err}") from None
 
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
         if ctx.recompute is RecomputePass.NONE:
@@ -344,6 +354,8 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
         if ctx.is_quantized_param:
             return Usage.ROWWISE
+        if self.inner.backward_regathers:
+            return self.inner.forward_usage(ctx.as_plain_forward(), cache)
         if ctx.recompute is RecomputePass.FIRST:
             later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
             return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
@@ -352,6 +364,8 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         if ctx.recompute is RecomputePass.FIRST:
             return BackwardSource.NONE
+        if self.inner.backward_regathers:
+            return self.inner.backward_source(ctx.as_plain_forward(), cache)
         return _source_without_rebuild(ctx)
 
     def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:

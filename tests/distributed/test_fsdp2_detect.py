@@ -1,0 +1,104 @@
+"""FSDP2 sharding detection: a real 2-rank gloo run on CPU, plus the checks
+that need no process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from workspace_manager._context import Sharding
+from workspace_manager._errors import ContextTypeError
+from workspace_manager._fsdp2 import detect_fsdp2_sharding
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_fsdp2_worker.py")
+TIMEOUT_S = 300
+
+
+def _gloo_unavailable() -> str | None:
+    """Why the torchrun test cannot run here, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    if not dist.is_gloo_available():
+        return "this torch build has no gloo backend"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return "torch.distributed.fsdp.fully_shard (FSDP2) needs torch >= 2.6"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_torchrun(result: Path) -> subprocess.CompletedProcess:
+    """torchrun in its own session, so a hang kills its workers too."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(result),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s; output:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+@pytest.mark.distributed
+def test_fsdp2_detection_under_torchrun(tmp_path: Path) -> None:
+    reason = _gloo_unavailable()
+    if reason:
+        pytest.skip(reason)
+    result = tmp_path / "fsdp2_detect.json"
+    proc = _run_torchrun(result)
+    tail = proc.stdout[-6000:]
+    assert result.exists(), f"the worker wrote no result (rc={proc.returncode}); output:\n{tail}"
+    report = json.loads(result.read_text())
+    rows = [row for part in report["ranks"] for row in part["rows"]]
+    assert rows, f"the worker checked nothing; output:\n{tail}"
+    for part in report["ranks"]:
+        for skip in part["skipped"]:
+            print(f"rank {part['rank']} skipped {skip['case']}: {skip['reason']}")
+    for row in rows:
+        assert row["passed"], (
+            f"{row['case']}: leaf {row['leaf']} {row['phase']}: expected {row['expected']}, got {row['got']}"
+        )
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}; output:\n{tail}"
+
+
+def test_model_without_fsdp2_is_none() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    for name, leaf in model.named_modules():
+        assert detect_fsdp2_sharding(leaf) is Sharding.NONE, name
+        assert detect_fsdp2_sharding(leaf, root=model) is Sharding.NONE, name
+
+
+@pytest.mark.parametrize("bad", [nn.Linear(2, 2).weight, "linear", None])
+def test_non_module_is_a_type_error(bad: object) -> None:
+    with pytest.raises(ContextTypeError, match="module must be a torch.nn.Module") as info:
+        detect_fsdp2_sharding(bad)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+    assert type(bad).__name__ in str(info.value)
+
+
+def test_non_module_root_is_a_type_error() -> None:
+    with pytest.raises(ContextTypeError, match="root must be a torch.nn.Module"):
+        detect_fsdp2_sharding(nn.Linear(2, 2), root=torch.zeros(1))  # type: ignore[arg-type]

@@ -1,0 +1,133 @@
+"""Bad input gets a ValueError/TypeError subclass that says what arrived and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from workspace_manager import (
+    BackwardOverride,
+    BackwardSource,
+    CacheAction,
+    ColumnwiseSource,
+    ContextTypeError,
+    FSDP2WorkspacePolicy,
+    InvalidContextError,
+    InvalidPlanError,
+    Microbatch,
+    PolicyMismatchError,
+    QuantizerCapabilities,
+    RecomputePass,
+    RecomputeWorkspacePolicy,
+    Release,
+    Sharding,
+    Usage,
+    WorkspaceContext,
+    WorkspacePlan,
+    WorkspacePolicy,
+    resolve_policy,
+)
+from workspace_manager._profiles import MXFP8
+
+CAPS = MXFP8
+
+
+def test_wrong_enum_type_names_field_value_and_allowed_members():
+    with pytest.raises(ContextTypeError) as info:
+        WorkspaceContext(capabilities=CAPS, sharding="fsdp2")
+    msg = str(info.value)
+    assert "WorkspaceContext.sharding" in msg and "'fsdp2'" in msg and "Sharding.FSDP2_RESHARD" in msg
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("value", [1, 0, None, "yes"])
+def test_booleans_are_checked_exactly(value):
+    with pytest.raises(ContextTypeError, match="grad_enabled must be a bool"):
+        WorkspaceContext(capabilities=CAPS, grad_enabled=value)
+
+
+def test_capabilities_must_be_capabilities():
+    with pytest.raises(ContextTypeError, match="capabilities must be a QuantizerCapabilities"):
+        WorkspaceContext(capabilities="mxfp8")
+
+
+def test_capabilities_validate_their_fields():
+    with pytest.raises(ContextTypeError, match="columnwise_derivable must be a bool"):
+        QuantizerCapabilities(name="x", columnwise_derivable="yes", derived_caches=False, requantization_safe=True)
+    with pytest.raises(InvalidContextError, match="non-empty"):
+        QuantizerCapabilities(name=" ", columnwise_derivable=True, derived_caches=False, requantization_safe=True)
+
+
+def test_recompute_pass_without_grad_is_invalid():
+    with pytest.raises(InvalidContextError, match="requires grad_enabled=True") as info:
+        WorkspaceContext(capabilities=CAPS, recompute=RecomputePass.RECOMPUTE, grad_enabled=False)
+    assert isinstance(info.value, ValueError)
+
+
+def test_te_adapters():
+    assert Microbatch.from_is_first_microbatch(None) is Microbatch.NONE
+    assert Microbatch.from_is_first_microbatch(True) is Microbatch.FIRST
+    assert Microbatch.from_is_first_microbatch(False) is Microbatch.LATER
+    with pytest.raises(ContextTypeError, match="is_first_microbatch must be None, True or False"):
+        Microbatch.from_is_first_microbatch(1)
+    assert BackwardOverride.from_te(None) is BackwardOverride.NONE
+    assert BackwardOverride.from_te("dequantized") is BackwardOverride.DEQUANTIZED
+    with pytest.raises(InvalidContextError, match="'high_precision', 'dequantized'"):
+        BackwardOverride.from_te("fp32")
+
+
+def test_fsdp2_policy_on_an_unsharded_weight_says_what_to_do():
+    with pytest.raises(PolicyMismatchError) as info:
+        FSDP2WorkspacePolicy().plan(WorkspaceContext(capabilities=CAPS))
+    msg = str(info.value)
+    assert "FSDP2WorkspacePolicy" in msg and "Sharding.NONE" in msg and "fully_shard" in msg
+
+
+def test_plain_policy_refuses_recompute_and_names_the_wrapper():
+    ctx = WorkspaceContext(capabilities=CAPS, recompute=RecomputePass.FIRST)
+    with pytest.raises(PolicyMismatchError, match=r"RecomputeWorkspacePolicy\(inner=WorkspacePolicy\(\)\)"):
+        WorkspacePolicy().plan(ctx)
+
+
+def test_plan_rejects_a_non_context():
+    with pytest.raises(ContextTypeError, match="expects a WorkspaceContext; received dict"):
+        WorkspacePolicy().plan({})
+
+
+def test_recompute_wrapper_needs_a_plain_inner_policy():
+    with pytest.raises(ContextTypeError, match="inner must be a non-recompute WorkspacePolicy"):
+        RecomputeWorkspacePolicy(inner=RecomputeWorkspacePolicy())
+    with pytest.raises(ContextTypeError):
+        RecomputeWorkspacePolicy(inner="fsdp2")
+
+
+def test_resolve_policy_wraps_a_pinned_policy_for_recompute_and_rejects_non_policies():
+    ctx = WorkspaceContext(capabilities=CAPS, sharding=Sharding.FSDP2_RESHARD, recompute=RecomputePass.RECOMPUTE)
+    assert resolve_policy(ctx, FSDP2WorkspacePolicy()) == RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy())
+    with pytest.raises(ContextTypeError, match="pinned policy must be a WorkspacePolicy"):
+        resolve_policy(ctx, "fsdp2")
+    with pytest.raises(PolicyMismatchError):
+        resolve_policy(ctx, WorkspacePolicy()).plan(ctx)
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        (dict(forward_usage=Usage.COLUMNWISE), "must include rowwise"),
+        (dict(backward_source=BackwardSource.NONE), "reads no quantized weight"),
+        (dict(columnwise_source=ColumnwiseSource.NOT_NEEDED), "not_needed exactly when"),
+        (dict(forward_usage=Usage.ROWWISE), "needs a saved workspace built with columnwise"),
+        (dict(backward_source=BackwardSource.REQUANTIZE), "requantiz"),
+    ],
+)
+def test_inconsistent_plans_are_rejected(kwargs, problem):
+    good = dict(
+        cache=CacheAction.BYPASS,
+        forward_usage=Usage.BOTH,
+        backward_source=BackwardSource.SAVED_WORKSPACE,
+        backward_usage=Usage.COLUMNWISE,
+        columnwise_source=ColumnwiseSource.FORWARD,
+        release=Release.NOTHING,
+    )
+    WorkspacePlan(**good)
+    with pytest.raises(InvalidPlanError, match=problem):
+        WorkspacePlan(**{**good, **kwargs})

@@ -1,0 +1,119 @@
+"""The workspace lifecycle, run as a Hypothesis state machine over the
+reference runtime (forward, backward, optimizer step, microbatch, reshard)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import Phase, settings
+
+from workspace_manager import (
+    FSDP2WorkspacePolicy,
+    Microbatch,
+    QuantizerCapabilities,
+    Release,
+    Sharding,
+    WeightSource,
+    WorkspaceContext,
+)
+from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, MXFP8
+from workspace_manager.testing import FakeQuantizer, ModuleRuntime, RuntimeModelError
+from workspace_manager.testing.lifecycle import WorkspaceLifecycleMachine
+
+WorkspaceLifecycleMachine.TestCase.settings = settings(settings(), stateful_step_count=40)
+TestWorkspaceLifecycle = WorkspaceLifecycleMachine.TestCase
+
+
+def _ctx(caps, **kw) -> WorkspaceContext:
+    return WorkspaceContext(capabilities=caps, **kw)
+
+
+def test_microbatches_under_fsdp2_keep_quantize_once_and_free_after_step():
+    """reshard_after_forward=False with 4 microbatches: one quantization for
+    the step, reused by the later microbatches, dropped after the step."""
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_KEEP)
+    for i in range(4):
+        mb = Microbatch.FIRST if i == 0 else Microbatch.LATER
+        rt.forward(_ctx(FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=mb))
+        rt.backward()
+    assert q.quantizations == 1
+    assert rt.cache is not None
+    rt.optimizer_step()
+    assert rt.cache is None and q.live_bytes() == 0
+
+
+def test_fsdp2_reshard_requantizes_in_backward_and_holds_nothing_between():
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_RESHARD)
+    rt.forward(_ctx(FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_RESHARD))
+    assert q.live_bytes() == 0  # nothing kept from forward to backward (TE#2681)
+    rt.backward()
+    assert q.quantizations == 2
+
+
+def test_plain_microbatches_keep_cache_across_steps_and_refresh_it():
+    q = FakeQuantizer(MXFP8)
+    rt = ModuleRuntime(q)
+    for step in range(2):
+        for i in range(3):
+            rt.forward(_ctx(MXFP8, microbatch=Microbatch.FIRST if i == 0 else Microbatch.LATER))
+            rt.backward()
+        rt.optimizer_step()
+        assert rt.cache is not None  # the plain policy keeps it (TE's behaviour)
+    assert q.quantizations == 2
+
+
+def test_fsdp2_quantized_parameter_derived_data_is_released_after_backward():
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_RESHARD, weight=WeightSource.QUANTIZED_PARAM)
+    plan = rt.forward(
+        _ctx(FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_RESHARD, weight=WeightSource.QUANTIZED_PARAM,
+             input_requires_grad=False)
+    )
+    assert Release.DERIVED_COLUMNWISE in plan.release  # even without dgrad (TE clears only after dgrad)
+    rt.backward()
+    assert not rt.param.derived_columnwise
+
+
+def test_runtime_rejects_a_policy_that_forgets_to_release(monkeypatch):
+    """The lifecycle checks can fail: a policy that never releases derived
+    data leaves it alive after backward."""
+    monkeypatch.setattr(FSDP2WorkspacePolicy, "release", lambda self, ctx, cache: Release.NOTHING)
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_RESHARD, weight=WeightSource.QUANTIZED_PARAM)
+    rt.forward(_ctx(FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_RESHARD, weight=WeightSource.QUANTIZED_PARAM))
+    rt.backward()
+    assert rt.param.derived_columnwise
+
+
+def test_runtime_refuses_to_derive_what_the_format_cannot():
+    caps = QuantizerCapabilities(name="no_derive", columnwise_derivable=False, derived_caches=False,
+                                 requantization_safe=True)
+    q = FakeQuantizer(caps)
+    ws = q.quantize(0, __import__("workspace_manager").Usage.ROWWISE, "transient")
+    with pytest.raises(RuntimeModelError, match="cannot derive"):
+        q.derive_columnwise(ws)
+
+
+@pytest.mark.parametrize(
+    "question, broken",
+    [
+        # caches under FSDP2 resharding, like TE before #2805 (TE#2681)
+        ("cache_action", lambda self, ctx: __import__("workspace_manager")._policy._cache_by_microbatch(ctx)),
+        # never clears derived columnwise data (TE#2717)
+        ("release", lambda self, ctx, cache: Release.NOTHING),
+    ],
+    ids=["fsdp2-caches", "fsdp2-never-releases"],
+)
+def test_state_machine_catches_a_broken_fsdp2_policy(monkeypatch, question, broken):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    monkeypatch.setattr(FSDP2WorkspacePolicy, question, broken)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            WorkspaceLifecycleMachine,
+            settings=settings(
+                max_examples=300, stateful_step_count=20, deadline=None, database=None, report_multiple_bugs=False,
+                phases=[Phase.explicit, Phase.generate],
+            ),
+        )
