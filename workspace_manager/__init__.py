@@ -25,6 +25,7 @@ from ._errors import (
     UnknownQuantizerError,
     WorkspaceManagerError,
 )
+from ._fsdp2 import detect_fsdp2_sharding
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 from ._policy import (
     DistributedWeightWorkspacePolicy,
@@ -67,6 +68,8 @@ __all__ = [
     "DistributedWeightWorkspacePolicy",
     "select_policy",
     "resolve_policy",
+    # detection
+    "detect_fsdp2_sharding",
     # quantizer registry and TE profiles
     "QuantizerRegistry",
     "default_registry",
