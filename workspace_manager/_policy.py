@@ -23,8 +23,10 @@ n; "row" and "col" are the rowwise and columnwise data)::
     without microbatches: as reshard_after_forward=True.
 
   RecomputeWorkspacePolicy(inner) (te.checkpoint, LayerNormMLP(checkpoint=True))
-    first pass F_i: quantize row (row+col only when filling a cache the
-    recompute pass will read) ─► nothing saved
+    first pass F_i (reentrant, no grad): quantize row (row+col only when
+    filling a cache the recompute pass will read) ─► nothing saved
+    first pass F_i (non-reentrant, grad on): the recompute pass's plan, so
+    that both passes save the same tensors (backward matches them by position)
     recompute pass F_i: cache READ_ONLY, never written ─► quantize row+col
     ─► saved ─► B_i follows at once ─► freed; the inner policy decides
     caching and what is released.
@@ -337,6 +339,17 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
         if ctx.recompute is RecomputePass.NONE:
             return self.inner._plan_unchecked(ctx)
+        if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
+            # Non-reentrant checkpointing: backward runs this pass's autograd
+            # nodes with the tensors the recompute pass saves, matched by
+            # position, so this pass must save exactly what that pass saves.
+            # Only the cache action is its own (it may fill what the
+            # recompute pass then reads).
+            replay = super()._plan_unchecked(replace(ctx, recompute=RecomputePass.RECOMPUTE))
+            return _assemble(
+                ctx, self.cache_action(ctx), replay.forward_usage, replay.backward_source,
+                replay.columnwise_source, replay.release,
+            )
         return super()._plan_unchecked(ctx)
 
     def _inner_cache(self, ctx: WorkspaceContext) -> CacheAction:

@@ -29,10 +29,12 @@ def test_fsdp2_resharding_after_forward_never_caches(pair):
 
 @given(covering_policies(contexts(sharding=st.just(Sharding.FSDP2_RESHARD), weight=st.just(WeightSource.HIGH_PRECISION))))
 def test_fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(pair):
-    """TE#2681: a layer's quantized copy must not wait for backward."""
+    """TE#2681: a layer's quantized copy must not wait for backward. (A
+    recompute pass feeds the backward that follows at once; a non-reentrant
+    first pass saves what checkpointing drops and the recompute pass rebuilds.)"""
     policy, ctx = pair
     plan = policy.plan(ctx)
-    if ctx.recompute is not RecomputePass.RECOMPUTE:
+    if ctx.recompute is RecomputePass.NONE or not ctx.grad_enabled:
         assert not plan.saves_quantized
 
 
@@ -128,7 +130,9 @@ def test_fsdp2_derived_data_is_released_whenever_backward_runs(pair):
     """TE#2717: the backward gather derives columnwise data in memory FSDP2 cannot free."""
     policy, ctx = pair
     plan = policy.plan(ctx)
-    backward_runs = ctx.grad_enabled and ctx.recompute is not RecomputePass.FIRST
+    # A reentrant first pass runs without grad; a non-reentrant one (grad on)
+    # is the pass whose autograd nodes backward runs.
+    backward_runs = ctx.grad_enabled
     expected = backward_runs and ctx.capabilities.derived_caches
     assert (Release.DERIVED_COLUMNWISE in plan.release) is expected
 
