@@ -1,0 +1,37 @@
+"""Drop-in TransformerEngine modules whose weight workspaces follow a policy.
+
+``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` are TE 2.20's classes
+with every workspace decision (cache, forward usage, what backward gets,
+what is released) taken from ``workspace_manager``'s policies. Importing
+this package needs TransformerEngine 2.20.x; it raises ImportError naming
+the installed and supported versions otherwise. See docs/te-integration.md.
+"""
+
+from ._compat import SUPPORTED as SUPPORTED_TE
+from ._compat import VERSION as TE_VERSION
+from ._compat import UnsupportedTEError
+from . import _register  # noqa: F401  (checks TE's quantizer classes)
+from ._modules import (
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    convert_model,
+    last_plans,
+    managed_construction,
+    set_workspace_policy,
+)
+from ._steps import release_step_caches
+
+__all__ = [
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "convert_model",
+    "managed_construction",
+    "set_workspace_policy",
+    "last_plans",
+    "release_step_caches",
+    "UnsupportedTEError",
+    "TE_VERSION",
+    "SUPPORTED_TE",
+]

@@ -1,0 +1,205 @@
+"""Drop-in ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``, and model conversion.
+
+The three classes are TE's own, with one mixin in front. The mixin holds no
+workspace logic: it opens a :class:`ManagedCall` around TE's forward, and
+the seams plan each weight through the policy (see ``_seams.py``). The
+classes add no parameters, buffers, submodules or ``fp8_meta`` entries, so
+``state_dict`` and ``extra_state`` are exactly TE's and checkpoints move
+both ways between stock and drop-in modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from workspace_manager import PolicyMismatchError, Sharding, WorkspacePolicy, detect_fsdp2_sharding
+
+from . import _compat as te
+from ._call import ACTIVE, ManagedCall
+from ._seams import install
+
+__all__ = [
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "convert_model",
+    "managed_construction",
+    "set_workspace_policy",
+    "last_plans",
+]
+
+
+class _ManagedModule:
+    """Mixin placed before a TE module class. It keeps no state of its own
+    beyond a few private attributes created lazily, so an existing TE
+    instance can be converted by swapping its class."""
+
+    _te_wm_kind: ClassVar[str]
+
+    #: A policy pinned by the user (see :func:`set_workspace_policy`); None
+    #: lets the manager select one per call.
+    workspace_policy: WorkspacePolicy | None = None
+
+    @te.no_torch_dynamo()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        install()
+        call = ManagedCall(self, self._te_wm_kind)
+        token = ACTIVE.set(call)
+        try:
+            out = super().forward(*args, **kwargs)
+            call.commit()
+            return out
+        finally:
+            ACTIVE.reset(token)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """TE's own FSDP2 flag, answered by the manager's detection: it never
+        sticks at a value seen before ``fully_shard``, and a composable
+        parent that is not FSDP2 does not crash it."""
+        return self._te_wm_sharding().is_fsdp2
+
+    def _te_wm_sharding(self) -> Sharding:
+        """FSDP2 detection, once per module; done again only when FSDP2 state
+        is added or removed somewhere in the process."""
+        key = _fsdp2_state_count()
+        cached = self.__dict__.get("_te_wm_sharding_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        sharding = detect_fsdp2_sharding(self)
+        self.__dict__["_te_wm_sharding_cache"] = (key, sharding)
+        return sharding
+
+    @property
+    def _te_wm_last_plans(self) -> dict:
+        return self.__dict__.setdefault("_te_wm_plans", {})
+
+
+def _fsdp2_state_count() -> int:
+    import sys
+
+    state = sys.modules.get("torch.distributed._composable_state")
+    return len(state._module_state_mapping) if state is not None else 0
+
+
+class Linear(_ManagedModule, te.TELinear):
+    """``te.Linear`` whose weight workspace follows a :class:`WorkspacePolicy`.
+    Same constructor, defaults, state_dict and numerics as ``te.Linear``."""
+
+    _te_wm_kind = "linear"
+
+
+class LayerNormLinear(_ManagedModule, te.TELayerNormLinear):
+    """``te.LayerNormLinear`` whose weight workspace follows a :class:`WorkspacePolicy`."""
+
+    _te_wm_kind = "lnl"
+
+
+class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
+    """``te.LayerNormMLP`` whose FC1 and FC2 workspaces follow a :class:`WorkspacePolicy`
+    (planned separately)."""
+
+    _te_wm_kind = "lnmlp"
+
+
+_DROP_INS: dict[type, type] = {te.TELinear: Linear, te.TELayerNormLinear: LayerNormLinear,
+                               te.TELayerNormMLP: LayerNormMLP}
+_CONVERTED: dict[type, type] = {}
+
+
+def _managed_class_for(cls: type) -> type | None:
+    """The drop-in for ``cls``: ours for TE's classes, a cached
+    ``Managed<cls>`` for third-party subclasses of them, None otherwise."""
+    if issubclass(cls, _ManagedModule):
+        return None
+    if cls in _DROP_INS:
+        return _DROP_INS[cls]
+    for te_cls, ours in _DROP_INS.items():
+        if issubclass(cls, te_cls):
+            if cls not in _CONVERTED:
+                _CONVERTED[cls] = type(f"Managed{cls.__name__}", (_ManagedModule, cls),
+                                       {"_te_wm_kind": ours._te_wm_kind, "__module__": __name__})
+            return _CONVERTED[cls]
+    return None
+
+
+def convert_model(
+    model: torch.nn.Module,
+    *,
+    module_filter: Callable[[torch.nn.Module, str], bool] | None = None,
+    policy: WorkspacePolicy | None = None,
+) -> torch.nn.Module:
+    """Turn the TE ``Linear``/``LayerNormLinear``/``LayerNormMLP`` modules of
+    ``model`` into drop-ins, in place, and return ``model``.
+
+    ``module_filter(module, fqn)`` chooses which ones (default: all);
+    ``policy`` pins a policy on each converted module (default: selected per
+    call). Parameters are not copied. Call it before ``fully_shard``: a
+    module FSDP2 already wraps is refused with an error.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_model expects a torch.nn.Module; received {type(model).__name__}")
+    for fqn, module in model.named_modules():
+        target = _managed_class_for(type(module))
+        if target is None or (module_filter is not None and not module_filter(module, fqn)):
+            continue
+        if _is_fsdp2_wrapped(module):
+            raise PolicyMismatchError(
+                f"convert_model: {fqn or 'the model'} ({type(module).__name__}) is already wrapped by "
+                "fully_shard; FSDP2 replaced its class. Convert the model before calling fully_shard."
+            )
+        module.__class__ = target
+        module.__dict__.pop("_is_fsdp2", None)  # TE caches its FSDP2 flag; ours is detected afresh
+        if policy is not None:
+            set_workspace_policy(module, policy)
+    return model
+
+
+def _is_fsdp2_wrapped(module: torch.nn.Module) -> bool:
+    return hasattr(type(module), "_get_fsdp_state") or type(module).__name__.startswith("FSDP")
+
+
+def set_workspace_policy(module: torch.nn.Module, policy: WorkspacePolicy | None) -> None:
+    """Pin ``policy`` on a drop-in module (None: back to per-call selection).
+    A pinned policy that does not cover a call fails at that call's forward
+    with :class:`PolicyMismatchError`."""
+    if not isinstance(module, _ManagedModule):
+        raise TypeError(
+            f"set_workspace_policy needs a te_integration module; {type(module).__name__} is not one. "
+            "Convert it first with te_integration.convert_model."
+        )
+    if policy is not None and not isinstance(policy, WorkspacePolicy):
+        raise TypeError(f"policy must be a WorkspacePolicy or None; received {type(policy).__name__}")
+    module.workspace_policy = policy
+
+
+def last_plans(module: torch.nn.Module) -> dict:
+    """``{weight key: (context, plan)}`` of the module's latest managed call,
+    for reviewers asking why a workspace is alive."""
+    return dict(module.__dict__.get("_te_wm_plans", {}))
+
+
+@contextlib.contextmanager
+def managed_construction() -> Iterator[None]:
+    """Within the block, ``te.TransformerLayer`` and ``te.MultiheadAttention``
+    build their Linear, LayerNormLinear and LayerNormMLP as drop-ins.
+
+    It rebinds the names those modules resolve at construction, and restores
+    them on exit, also after an exception. Other threads constructing TE
+    modules meanwhile get drop-ins too; :func:`convert_model` has no such
+    side effect.
+    """
+    targets = [(te.mha_module, "Linear", Linear), (te.mha_module, "LayerNormLinear", LayerNormLinear),
+               (te.transformer_module, "LayerNormMLP", LayerNormMLP)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
+    try:
+        for mod, name, cls in targets:
+            setattr(mod, name, cls)
+        yield
+    finally:
+        for mod, name, original in saved:
+            setattr(mod, name, original)

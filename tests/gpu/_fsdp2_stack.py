@@ -1,0 +1,302 @@
+"""Two-rank FSDP2 worker: stock TE vs drop-in TransformerLayer stacks.
+
+Run as ``torchrun --nproc_per_node=2 tests/gpu/_fsdp2_stack.py OUT.json [--quick]``.
+For each sm_90 recipe x {bf16 params, quantized_model_init} it builds the
+8-layer stack of TE's FSDP2 leak tests (hidden 256, ffn 1024, 8 heads,
+fuse_qkv_params, bf16 params, fully_shard per layer and at the root) twice,
+stock and with drop-ins (``managed_construction``), trains 5 steps on the
+same data and records losses, the per-layer forward increment, the backward
+retained delta and peak memory, next to a bf16 baseline. A microbatch run
+(reshard_after_forward=False, 4 microbatches) counts quantizations. An
+evidence run lists, by allocation site, what stays allocated after backward
+that was not before it. Rank 0 writes everything to OUT.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HIDDEN, FFN, HEADS, LAYERS, SEQ, BATCH = 256, 1024, 8, 8, 32, 2
+RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
+STEPS, WARMUP = 5, 2
+
+
+class Stack(torch.nn.Sequential):
+    """The layers in sequence, passing ``is_first_microbatch`` to each (the
+    root stays a module FSDP2 wraps, so its hooks run)."""
+
+    def forward(self, x, is_first_microbatch=None):
+        for layer in self:
+            x = layer(x, is_first_microbatch=is_first_microbatch)
+        return x
+
+
+def _recipe(name):
+    from transformer_engine.common import recipe
+
+    return None if name == "bf16" else getattr(recipe, name)()
+
+
+def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bool = True):
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import fully_shard
+
+    import te_integration as ti
+
+    kwargs = dict(fuse_qkv_params=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
+    if quantized_init:
+        kwargs["device"] = "meta"
+    init = te.quantized_model_init(enabled=True, recipe=recipe) if quantized_init else contextlib.nullcontext()
+    construction = ti.managed_construction() if managed else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with init, construction:
+        model = Stack(*[te.TransformerLayer(HIDDEN, FFN, HEADS, **kwargs) for _ in range(LAYERS)])
+    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    for child in model.children():
+        fully_shard(child, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    if quantized_init:
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    for name, p in model.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+    return model
+
+
+def optimizer_for(model):
+    import transformer_engine.pytorch as te
+
+    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
+                                   master_weight_dtype=torch.float32)
+
+
+def data(step: int, micro: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(1000 + 10 * step + micro + dist.get_rank())
+    x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16, device="cuda", generator=g)
+    return x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)
+
+
+def mib(n):
+    return n / 2**20
+
+
+def train_and_measure(model, recipe, baseline: int):
+    """Losses of every step; memory figures averaged over the steps after
+    warm-up. Peak and after-step figures are relative to ``baseline`` (what
+    was allocated before the model was built: TE keeps some global state,
+    e.g. DelayedScaling's amax buffers, from models built earlier)."""
+    import transformer_engine.pytorch as te
+
+    opt = optimizer_for(model)
+    marks, losses, fwd, bwd, kept, after = [], [], [], [], [], []
+    hooks = [m.register_forward_hook(lambda *_: marks.append(_allocated())) for m in model.children()]
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(STEPS):
+        marks.clear()
+        x, target = data(step)
+        opt.zero_grad(set_to_none=True)
+        pre_fwd = _allocated()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x)
+        post_fwd = _allocated()
+        loss = F.mse_loss(out, target)
+        loss.backward()
+        post_bwd = _allocated()
+        opt.step()
+        losses.append(loss.item())
+        if step >= WARMUP:
+            fwd.append(sum(b - a for a, b in zip(marks, marks[1:])) / (len(marks) - 1))
+            bwd.append(post_bwd - post_fwd)
+            kept.append(post_bwd - pre_fwd)
+            after.append(_allocated())
+    for h in hooks:
+        h.remove()
+    return {
+        "losses": losses,
+        "fwd_kib_per_layer": sum(fwd) / len(fwd) / 1024,
+        # TE's leak-test measure: after backward minus after forward.
+        "bwd_mib": mib(sum(bwd) / len(bwd)),
+        # After backward minus before forward: what the whole forward+backward
+        # leaves allocated, not offset by how much forward saved.
+        "kept_after_bwd_mib": mib(sum(kept) / len(kept)),
+        "peak_mib": mib(torch.cuda.max_memory_allocated() - baseline),
+        "after_step_mib": mib(sum(after) / len(after) - baseline),
+    }
+
+
+def _allocated():
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def run_config(name: str, quantized_init: bool) -> dict:
+    recipe = _recipe(name)
+    result = {"recipe": name, "quantized_init": quantized_init}
+    for label, managed in (("stock", False), ("managed", True)):
+        baseline = _allocated()
+        model = build(managed, recipe, quantized_init)
+        result[label] = train_and_measure(model, recipe, baseline)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+class QuantizationCounter:
+    """Counts real weight quantizations (cache hits without refresh excluded)."""
+
+    def __init__(self):
+        from te_integration import _compat
+
+        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
+
+    def __enter__(self):
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+        def counting(**kw):
+            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
+            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
+                self.count += 1
+            return self.original(**kw)
+
+        self.compat.quantize_weight = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.compat.quantize_weight = self.original
+
+
+def run_microbatches(name: str, micro: int = 4) -> dict:
+    import transformer_engine.pytorch as te
+    import te_integration._seams as seams
+
+    seams.install()  # stock modules then also pass through the counted name
+    recipe = _recipe(name)
+    result = {"recipe": name, "microbatches": micro}
+    for label, managed in (("stock", False), ("managed", True)):
+        baseline = _allocated()
+        model = build(managed, recipe, False, reshard_after_forward=False)
+        opt = optimizer_for(model)
+        losses, counts, cached_after = [], [], []
+        for step in range(3):
+            with QuantizationCounter() as counter:
+                for m in range(micro):
+                    x, target = data(step, m)
+                    with te.autocast(enabled=True, recipe=recipe):
+                        out = model(x, is_first_microbatch=(m == 0))
+                    loss = F.mse_loss(out, target) / micro
+                    loss.backward()
+                    losses.append(loss.item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            counts.append(counter.count)
+            cached_after.append(sum(len(getattr(mod, "_fp8_workspaces", {})) for mod in model.modules()))
+        result[label] = {"losses": losses, "quantizations_per_step": counts,
+                         "cached_workspaces_after_step": cached_after,
+                         "after_step_mib": mib(_allocated() - baseline)}
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def retained_by_site(name: str, quantized_init: bool = False, managed: bool = False) -> dict:
+    """What is allocated after backward that was not after forward, grouped by
+    the innermost Python frames that allocated it (evidence for the bwd delta)."""
+    import transformer_engine.pytorch as te
+
+    recipe = _recipe(name)
+    model = build(managed, recipe, quantized_init)
+    opt = optimizer_for(model)
+    for step in range(WARMUP):
+        x, target = data(step)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x)
+        F.mse_loss(out, target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    x, target = data(WARMUP)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = model(x)
+    before = _live_blocks()
+    F.mse_loss(out, target).backward()
+    after = _live_blocks()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    new = {addr: info for addr, info in after.items() if addr not in before}
+    gone = {addr: info for addr, info in before.items() if addr not in after}
+    return {"recipe": name, "quantized_init": quantized_init, "managed": managed,
+            "retained": _group(new), "freed": _group(gone),
+            "retained_mib": mib(sum(i[0] for i in new.values())), "freed_mib": mib(sum(i[0] for i in gone.values()))}
+
+
+def _live_blocks() -> dict:
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    blocks = {}
+    for seg in snap["segments"]:
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                frames = [f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in blk.get("frames", [])
+                          if f["filename"].endswith(".py")][:4]
+                blocks[blk["address"]] = (blk["size"], " <- ".join(frames) or "(no python frame)")
+    return blocks
+
+
+def _group(blocks: dict) -> list:
+    sites: dict[str, list] = {}
+    for size, site in blocks.values():
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    top = sorted(sites.items(), key=lambda kv: -kv[1][0])[:12]
+    return [{"site": s, "kib": round(v[0] / 1024, 1), "blocks": v[1]} for s, v in top]
+
+
+def main() -> int:
+    out_path = sys.argv[1]
+    quick = "--quick" in sys.argv
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    report = {"configs": [], "microbatches": [], "evidence": [], "errors": []}
+    configs = [("bf16", False)] + [(r, q) for r in RECIPES for q in (False, True)]
+    if quick:
+        configs = configs[:3]
+    for name, qinit in configs:
+        _guard(report, f"config {name} qinit={qinit}", lambda: report["configs"].append(run_config(name, qinit)))
+    for name in RECIPES[: 1 if quick else 3]:
+        _guard(report, f"microbatches {name}", lambda: report["microbatches"].append(run_microbatches(name)))
+    for name, managed in (("bf16", False), ("Float8CurrentScaling", False), ("Float8CurrentScaling", True)):
+        _guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if report["errors"] else 0
+
+
+def _guard(report: dict, label: str, fn) -> None:
+    try:
+        fn()
+    except Exception:  # recorded, so one failing config does not hide the others
+        report["errors"].append({"where": label, "traceback": traceback.format_exc()})
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

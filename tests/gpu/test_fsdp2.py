@@ -1,0 +1,122 @@
+"""FSDP2 on two GPUs: the drop-in TransformerLayer stack against stock TE.
+
+One torchrun launch (``_fsdp2_stack.py``) measures every configuration; the
+tests below read its report. Needs two GPUs; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# TE and torch.distributed warn freely (deprecations, experimental features); the
+# GPU tier checks numbers, not their warnings.
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                                        "ignore::FutureWarning")]
+
+RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
+FWD_KIB_PER_LAYER = 50
+BWD_KIB = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    out = tmp_path_factory.mktemp("fsdp2") / "report.json"
+    worker = Path(__file__).with_name("_fsdp2_stack.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(worker), str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ))
+    if not out.exists():
+        pytest.fail(f"worker wrote no report (rc={result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    data = json.loads(out.read_text())
+    keep = os.environ.get("TE_WM_FSDP2_REPORT")
+    if keep:
+        Path(keep).write_text(json.dumps(data, indent=1))
+    return data
+
+
+def _config(report, recipe, qinit):
+    for c in report["configs"]:
+        if c["recipe"] == recipe and c["quantized_init"] == qinit:
+            return c
+    pytest.fail(f"no result for {recipe} quantized_init={qinit}; errors: {report['errors']}")
+
+
+def test_worker_ran_every_configuration(report):
+    assert not report["errors"], "\n".join(e["where"] + "\n" + e["traceback"] for e in report["errors"])
+
+
+@pytest.mark.parametrize("qinit", [False, True], ids=["bf16_params", "quantized_init"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_losses_identical_to_stock(report, recipe, qinit):
+    c = _config(report, recipe, qinit)
+    assert c["managed"]["losses"] == c["stock"]["losses"]
+
+
+@pytest.mark.parametrize("qinit", [False, True], ids=["bf16_params", "quantized_init"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_forward_increment_within_50_kib_of_bf16(report, recipe, qinit):
+    base = _config(report, "bf16", False)["stock"]["fwd_kib_per_layer"]
+    got = _config(report, recipe, qinit)["managed"]["fwd_kib_per_layer"]
+    assert got - base <= FWD_KIB_PER_LAYER, f"{got:.1f} KiB/layer vs bf16 {base:.1f}"
+
+
+@pytest.mark.parametrize("qinit", [False, True], ids=["bf16_params", "quantized_init"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_backward_retained_within_256_kib_of_bf16(report, recipe, qinit):
+    """Retention measured as allocated after backward minus before forward.
+
+    TE's own measure (after backward minus after forward) shows +0.49 MiB for
+    the per-tensor recipes even in stock TE: the FP8 stack saves 62 KiB per
+    layer less in forward (FP8 activations), so backward frees that much less.
+    The allocation-site diff in the report's ``evidence`` shows the blocks
+    left after backward are the same as bf16's (FSDP2's reduce-scattered
+    gradients). That measure is reported as ``bwd_mib`` but not asserted on.
+    """
+    base = _config(report, "bf16", False)["stock"]["kept_after_bwd_mib"]
+    got = _config(report, recipe, qinit)["managed"]["kept_after_bwd_mib"]
+    assert (got - base) * 1024 <= BWD_KIB, f"{got:.3f} MiB vs bf16 {base:.3f} MiB"
+
+
+def test_backward_blocks_left_are_the_same_as_bf16(report):
+    """The evidence run: what backward leaves allocated, by allocation site,
+    is the same for the FP8 stacks (stock and drop-in) as for bf16."""
+    by = {(e["recipe"], e["managed"]): e for e in report["evidence"]}
+    base = by[("bf16", False)]
+    for key in [("Float8CurrentScaling", False), ("Float8CurrentScaling", True)]:
+        assert abs(by[key]["retained_mib"] - base["retained_mib"]) * 1024 <= BWD_KIB, by[key]["retained"]
+
+
+@pytest.mark.parametrize("qinit", [False, True], ids=["bf16_params", "quantized_init"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_memory_no_more_than_stock(report, recipe, qinit):
+    c = _config(report, recipe, qinit)
+    for key in ("peak_mib", "after_step_mib"):
+        assert c["managed"][key] <= c["stock"][key], (key, c["managed"][key], c["stock"][key])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_microbatches_reuse_workspaces_and_free_them_after_the_step(report, recipe):
+    runs = [r for r in report["microbatches"] if r["recipe"] == recipe]
+    assert runs, report["errors"]
+    r = runs[0]
+    assert r["managed"]["losses"] == r["stock"]["losses"]
+    assert all(m < s for m, s in zip(r["managed"]["quantizations_per_step"], r["stock"]["quantizations_per_step"]))
+    assert r["managed"]["cached_workspaces_after_step"] == [0, 0, 0]
+    assert r["managed"]["after_step_mib"] <= r["stock"]["after_step_mib"]
