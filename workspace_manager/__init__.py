@@ -21,7 +21,9 @@ from ._errors import (
     InvalidCapabilitiesError,
     InvalidContextError,
     InvalidPlanError,
+    KitArgumentError,
     PolicyMismatchError,
+    QuantizerPluginError,
     UnknownQuantizerError,
     WorkspaceManagerError,
 )
@@ -37,6 +39,7 @@ from ._policy import (
 )
 from ._profiles import PROFILES, RECIPE_PROFILES
 from ._registry import (
+    ENTRY_POINT_GROUP,
     QuantizerRegistry,
     default_registry,
     quantizer_capabilities,
@@ -72,6 +75,7 @@ __all__ = [
     "detect_fsdp2_sharding",
     # quantizer registry and TE profiles
     "QuantizerRegistry",
+    "ENTRY_POINT_GROUP",
     "default_registry",
     "register_quantizer",
     "quantizer_capabilities",
@@ -86,4 +90,6 @@ __all__ = [
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",
+    "QuantizerPluginError",
+    "KitArgumentError",
 ]

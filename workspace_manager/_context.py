@@ -9,6 +9,8 @@ threads through its modules.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "BackwardOverride",
     "QuantizerCapabilities",
     "WorkspaceContext",
+    "valid_contexts",
 ]
 
 
@@ -252,6 +255,36 @@ class WorkspaceContext:
         """The same call with the recompute pass removed (for policies that
         delegate the non-recompute part of a decision)."""
         return _replace(self, recompute=RecomputePass.NONE)
+
+
+def valid_contexts(
+    capabilities: QuantizerCapabilities,
+    *,
+    shardings: Iterable[Sharding] = tuple(Sharding),
+    passes: Iterable[RecomputePass] = tuple(RecomputePass),
+    weights: Iterable[WeightSource] = tuple(WeightSource),
+    grads: Iterable[bool] = (True, False),
+    dgrads: Iterable[bool] = (True, False),
+    microbatches: Iterable[Microbatch] = tuple(Microbatch),
+    overrides: Iterable[BackwardOverride] = tuple(BackwardOverride),
+) -> Iterator[WorkspaceContext]:
+    """Every valid context over the given values (the recompute pass always
+    has grad), in the order of the arguments."""
+    for sharding, rpass, weight, grad, dgrad, mb, override in itertools.product(
+        shardings, passes, weights, grads, dgrads, microbatches, overrides
+    ):
+        if rpass is RecomputePass.RECOMPUTE and not grad:
+            continue
+        yield WorkspaceContext(
+            capabilities=capabilities,
+            sharding=sharding,
+            recompute=rpass,
+            grad_enabled=grad,
+            input_requires_grad=dgrad,
+            weight=weight,
+            microbatch=mb,
+            backward_override=override,
+        )
 
 
 def _replace(ctx: WorkspaceContext, **changes: Any) -> WorkspaceContext:

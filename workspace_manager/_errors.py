@@ -17,6 +17,8 @@ __all__ = [
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",
+    "QuantizerPluginError",
+    "KitArgumentError",
 ]
 
 
@@ -51,3 +53,14 @@ class InvalidCapabilitiesError(WorkspaceManagerError, TypeError):
 class InvalidPlanError(WorkspaceManagerError, ValueError):
     """A plan whose decisions contradict each other (raised when a policy,
     typically a user-written one, builds such a plan)."""
+
+
+class QuantizerPluginError(WorkspaceManagerError, ValueError):
+    """An installed package's ``workspace_manager.quantizers`` entry point
+    failed to load or to register its quantizers. The message names the entry
+    point and its distribution."""
+
+
+class KitArgumentError(WorkspaceManagerError, TypeError, ValueError):
+    """``workspace_manager.testing.check_quantizer`` received an argument it
+    cannot use (a factory that is not callable, a count that is not positive)."""

@@ -134,32 +134,16 @@ POLICY_CHOICES = tuple(_policy_choices())
 def _contexts(policy, capabilities: QuantizerCapabilities, full: bool) -> Iterator[WorkspaceContext]:
     """The settings shown for a policy: its shardings x passes x weight x
     grad x microbatch (and, with ``full``, dgrad and backward_override)."""
-    from ._context import BackwardOverride
+    from ._context import BackwardOverride, valid_contexts
 
     passes = [RecomputePass.FIRST, RecomputePass.RECOMPUTE] if policy.label == "recompute" else [RecomputePass.NONE]
-    overrides = list(BackwardOverride) if full else [BackwardOverride.NONE]
-    dgrads = [True, False] if full else [True]
-    for sharding, rpass, weight, grad, dgrad, mb, override in itertools.product(
-        sorted(policy.shardings, key=lambda s: list(Sharding).index(s)),
-        passes,
-        list(WeightSource),
-        [True, False],
-        dgrads,
-        list(Microbatch),
-        overrides,
-    ):
-        if rpass is RecomputePass.RECOMPUTE and not grad:
-            continue
-        yield WorkspaceContext(
-            capabilities=capabilities,
-            sharding=sharding,
-            recompute=rpass,
-            grad_enabled=grad,
-            input_requires_grad=dgrad,
-            weight=weight,
-            microbatch=mb,
-            backward_override=override,
-        )
+    return valid_contexts(
+        capabilities,
+        shardings=sorted(policy.shardings, key=lambda s: list(Sharding).index(s)),
+        passes=passes,
+        dgrads=[True, False] if full else [True],
+        overrides=list(BackwardOverride) if full else [BackwardOverride.NONE],
+    )
 
 
 def decision_table(

@@ -18,9 +18,17 @@ from workspace_manager import (
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, MXFP8
 from workspace_manager.testing import FakeQuantizer, ModuleRuntime, RuntimeModelError
 from workspace_manager.testing.lifecycle import WorkspaceLifecycleMachine
+from workspace_manager.testing.reference import REFERENCE_CAPABILITIES, Float8PerTensorQuantizer
 
 WorkspaceLifecycleMachine.TestCase.settings = settings(settings(), stateful_step_count=40)
 TestWorkspaceLifecycle = WorkspaceLifecycleMachine.TestCase
+
+# The same machine on a real quantizer: live bytes are its bytes_held.
+ReferenceLifecycle = WorkspaceLifecycleMachine.for_quantizer(
+    Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, shape=(32, 64)
+)
+ReferenceLifecycle.TestCase.settings = settings(settings(), max_examples=50, stateful_step_count=30)
+TestReferenceQuantizerLifecycle = ReferenceLifecycle.TestCase
 
 
 def _ctx(caps, **kw) -> WorkspaceContext:
@@ -112,6 +120,27 @@ def test_state_machine_catches_a_broken_fsdp2_policy(monkeypatch, question, brok
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
             WorkspaceLifecycleMachine,
+            settings=settings(
+                max_examples=300, stateful_step_count=20, deadline=None, database=None, report_multiple_bugs=False,
+                phases=[Phase.explicit, Phase.generate],
+            ),
+        )
+
+
+class _LeakyTranspose(Float8PerTensorQuantizer):
+    """Keeps its transpose cache when asked to clear it."""
+
+    def clear_derived(self, handle) -> None:
+        pass
+
+
+def test_state_machine_catches_a_quantizer_that_keeps_derived_data():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    machine = WorkspaceLifecycleMachine.for_quantizer(_LeakyTranspose, REFERENCE_CAPABILITIES, shape=(16, 32))
+    with pytest.raises(AssertionError, match="derived columnwise data"):
+        run_state_machine_as_test(
+            machine,
             settings=settings(
                 max_examples=300, stateful_step_count=20, deadline=None, database=None, report_multiple_bugs=False,
                 phases=[Phase.explicit, Phase.generate],

@@ -63,7 +63,10 @@ class FakeQuantizer:
 
     def quantize(self, version: int, usages: Usage, holder: str) -> FakeWorkspace:
         self.quantizations += 1
-        ws = FakeWorkspace(usages=usages, version=version, numel=self.numel)
+        return self._track(FakeWorkspace(usages=usages, version=version, numel=self.numel), holder)
+
+    def _track(self, ws: FakeWorkspace, holder: str) -> FakeWorkspace:
+        """Record a new workspace as alive, held by ``holder``."""
         self._live[ws.ident] = ws
         self._holders[ws.ident] = {holder}
         return ws
@@ -87,6 +90,10 @@ class FakeQuantizer:
         if not holders:
             del self._holders[ws.ident]
             del self._live[ws.ident]
+
+    def usages_of(self, ws: FakeWorkspace) -> Usage:
+        """The usages the workspace's data really holds (here: what it says)."""
+        return ws.usages
 
     def live(self) -> list[FakeWorkspace]:
         return list(self._live.values())
@@ -172,6 +179,7 @@ class ModuleRuntime:
             raise RuntimeModelError("optimizer step with backward still pending")
         self.version += 1
         self.param.version = self.version
+        self._parameter_updated()
         if Release.CACHED_WORKSPACE in self.step_release and self.cache is not None:
             self.quantizer.drop(self.cache, "cache")
             self.cache = None
@@ -239,7 +247,7 @@ class ModuleRuntime:
         if pending.saved is not None:
             self.quantizer.drop(pending.saved, pending.tag)
         if Release.DERIVED_COLUMNWISE in plan.release:
-            self.param.derived_columnwise = False
+            self._release_parameter_derived()
         self.step_release |= plan.release & Release.CACHED_WORKSPACE
 
     def _use_saved(self, pending: _Pending) -> None:
@@ -261,8 +269,23 @@ class ModuleRuntime:
         # data gather rowwise data and derive it into quantizer-owned memory.
         self.param.gathered = True
         if self.quantizer.capabilities.columnwise_derivable and self.quantizer.capabilities.derived_caches:
-            self.param.derived_columnwise = True
+            self._derive_parameter_columnwise()
         self.reshard()
+
+    # -- the quantized parameter's derived data (hooks for real quantizers) ---
+    def _derive_parameter_columnwise(self) -> None:
+        self.param.derived_columnwise = True
+
+    def _release_parameter_derived(self) -> None:
+        self.param.derived_columnwise = False
+
+    def _parameter_updated(self) -> None:
+        """The optimizer changed the (quantized) parameter."""
+
+    def parameter_derived_bytes(self) -> int:
+        """Bytes of derived columnwise data alive on the quantized parameter
+        (one byte per element in this model)."""
+        return self.quantizer.numel if self.param.derived_columnwise else 0
 
     # -- what tests read ----------------------------------------------------
     def saved_workspaces(self) -> list[FakeWorkspace]:

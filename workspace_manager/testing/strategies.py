@@ -17,27 +17,16 @@ from .._context import (
     WeightSource,
     WorkspaceContext,
 )
-from .._policy import (
-    DistributedWeightWorkspacePolicy,
-    FSDP2WorkspacePolicy,
-    RecomputeWorkspacePolicy,
-    WorkspacePolicy,
-    select_policy,
-)
+from .._policy import WorkspacePolicy, select_policy
 from .._profiles import PROFILES
+from .invariants import SHIPPED_POLICIES
 
 __all__ = ["capabilities", "contexts", "policies", "covering_policies", "BASE_POLICIES", "ALL_POLICIES"]
 
 #: One instance of each non-recompute policy.
-BASE_POLICIES: tuple[WorkspacePolicy, ...] = (
-    WorkspacePolicy(),
-    FSDP2WorkspacePolicy(),
-    DistributedWeightWorkspacePolicy(),
-)
+BASE_POLICIES: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES[:3]
 #: Every policy the core ships, recompute wrappers included.
-ALL_POLICIES: tuple[WorkspacePolicy, ...] = BASE_POLICIES + tuple(
-    RecomputeWorkspacePolicy(inner=p) for p in BASE_POLICIES
-)
+ALL_POLICIES: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES
 
 
 @st.composite

@@ -1,0 +1,203 @@
+"""The quantizer testing kit: the reference quantizer passes it, broken ones
+are rejected with a report that names the quantizer and the failed check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workspace_manager import (
+    InvalidCapabilitiesError,
+    KitArgumentError,
+    QuantizerCapabilities,
+    QuantizerRegistry,
+    UnknownQuantizerError,
+    Usage,
+)
+from workspace_manager.testing import (
+    CheckStatus,
+    QuantizerCheckError,
+    QuantizerUnderTest,
+    check_quantizer,
+)
+from workspace_manager.testing.reference import (
+    FLOAT8_MAX,
+    REFERENCE_CAPABILITIES,
+    Float8PerTensorQuantizer,
+)
+
+FAST = dict(examples=2, steps=25)
+
+
+class LeakyTransposeQuantizer(Float8PerTensorQuantizer):
+    """Broken: clear_derived keeps the transpose cache (TE#2717's leak)."""
+
+    def clear_derived(self, handle) -> None:
+        pass
+
+
+class PerColumnScaleQuantizer(Float8PerTensorQuantizer):
+    """Broken: claims columnwise_derivable, but a direct columnwise
+    quantization scales each weight column on its own, so the transpose of
+    the (per-tensor) rowwise data is not what it builds."""
+
+    def quantize(self, weight, *, rowwise, columnwise):
+        handle = super().quantize(weight, rowwise=True, columnwise=False)
+        if not rowwise:
+            handle.rowwise = None
+        if columnwise:
+            wt = weight.detach().float().t().contiguous()
+            handle.column_scales = FLOAT8_MAX / wt.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+            handle.columnwise = (wt * handle.column_scales).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+        return handle
+
+    def dequantize(self, handle, usage):
+        if usage is Usage.COLUMNWISE and hasattr(handle, "column_scales") and Usage.COLUMNWISE not in handle.derived:
+            return (handle.columnwise.float() / handle.column_scales).t()
+        return super().dequantize(handle, usage)
+
+
+def test_the_reference_quantizer_passes_the_kit():
+    report = check_quantizer(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES)
+    report.raise_for_failures()
+    assert report.passed and report.quantizer == "workspace_manager.testing.reference.Float8PerTensorQuantizer"
+    names = [r.name for r in report.results]
+    assert names[:5] == ["protocol", "usages", "columnwise_derivable", "derived_caches", "requantization_safe"]
+    assert sum(n.startswith("policy: ") for n in names) >= 16
+    assert sum(n.startswith("lifecycle: ") for n in names) == 16
+    assert str(report).startswith(
+        f"check_quantizer(workspace_manager.testing.reference.Float8PerTensorQuantizer): all {len(names)} checks passed"
+    )
+    assert isinstance(Float8PerTensorQuantizer(), QuantizerUnderTest)
+
+
+def test_a_quantizer_that_keeps_its_transpose_after_clearing_is_rejected():
+    report = check_quantizer(LeakyTransposeQuantizer, REFERENCE_CAPABILITIES, **FAST)
+    failed = {r.name for r in report.failures}
+    assert "derived_caches" in failed
+    # the lifecycle catches it too, on its real bytes: FSDP2 quantized parameters
+    assert "lifecycle: fsdp2_reshard quantized_param no microbatches" in failed
+    assert not any(n.startswith(("policy", "lifecycle: none")) for n in failed)
+    with pytest.raises(QuantizerCheckError) as info:
+        report.raise_for_failures()
+    text = str(info.value)
+    assert isinstance(info.value, AssertionError) and info.value.report is report
+    assert text.startswith(f"check_quantizer({__name__}.LeakyTransposeQuantizer): {len(failed)} of ")
+    assert "FAIL  derived_caches: after clear_derived the handle still holds 65540 bytes" in text
+    assert "TE#2717" in text
+    assert "derived columnwise data (32768 bytes) alive on an idle FSDP2 parameter" in text
+    assert "backward -> " in text  # the events that led there
+
+
+def test_a_quantizer_that_cannot_really_derive_columnwise_data_is_rejected():
+    report = check_quantizer(PerColumnScaleQuantizer, REFERENCE_CAPABILITIES, **FAST)
+    assert [r.name for r in report.failures] == ["columnwise_derivable"]
+    text = str(report)
+    assert f"check_quantizer({__name__}.PerColumnScaleQuantizer)" in text
+    assert "FAIL  columnwise_derivable: columnwise data derived from rowwise data differs from a direct columnwise" in text
+    assert "elements differ, first at" in text
+
+
+@pytest.mark.parametrize(
+    "claim, reason",
+    [
+        (dict(columnwise_derivable=False), "update_usage(columnwise=True) derived columnwise data"),
+        (dict(derived_caches=False), "register derived_caches=True"),
+    ],
+)
+def test_claims_weaker_than_the_quantizer_are_rejected_too(claim, reason):
+    caps = dataclasses.replace(REFERENCE_CAPABILITIES, name="understated", **claim)
+    report = check_quantizer(Float8PerTensorQuantizer, caps, **FAST)
+    assert report.failures and reason in str(report)
+
+
+def test_requantization_safe_is_checked_on_one_quantizer_instance():
+    class Drifting(Float8PerTensorQuantizer):
+        """Delayed-scaling-like: each quantization moves the scale."""
+
+        calls = 0
+
+        def quantize(self, weight, *, rowwise, columnwise):
+            self.calls += 1
+            return super().quantize(weight * (1 + self.calls * 1e-3), rowwise=rowwise, columnwise=columnwise)
+
+    report = check_quantizer(Drifting, REFERENCE_CAPABILITIES, **FAST)
+    assert report["requantization_safe"].failed
+    assert "quantizing the same weight twice with one quantizer gave other rowwise data" in report["requantization_safe"].reason
+    honest = check_quantizer(Drifting, dataclasses.replace(REFERENCE_CAPABILITIES, requantization_safe=False), **FAST)
+    assert honest["requantization_safe"].status is CheckStatus.SKIPPED and honest.passed
+
+
+def test_a_format_that_cannot_derive_must_refuse():
+    class Silent(Float8PerTensorQuantizer):
+        def update_usage(self, handle, *, rowwise=None, columnwise=None):
+            if columnwise and handle.columnwise is None:
+                return  # neither derives nor raises
+            super().update_usage(handle, rowwise=rowwise, columnwise=columnwise)
+
+    caps = dataclasses.replace(REFERENCE_CAPABILITIES, name="silent", columnwise_derivable=False, derived_caches=False)
+    report = check_quantizer(Silent, caps, **FAST)
+    assert [r.name for r in report.failures] == ["columnwise_derivable"]
+    assert "without columnwise data and without raising" in report["columnwise_derivable"].reason
+
+
+def test_errors_raised_by_the_quantizer_are_reported_with_their_location():
+    class Crashing(Float8PerTensorQuantizer):
+        def bytes_held(self, handle):
+            raise RuntimeError("bytes unknown")
+
+    report = check_quantizer(Crashing, REFERENCE_CAPABILITIES, **FAST)
+    reason = report["usages"].reason
+    assert reason.startswith("the quantizer raised RuntimeError: bytes unknown (at ") and "in bytes_held)" in reason
+    assert "the quantizer raised RuntimeError: bytes unknown" in report["lifecycle: fsdp2_reshard quantized_param no microbatches"].reason
+
+
+def test_an_object_without_the_protocol_fails_the_protocol_check_only():
+    report = check_quantizer(lambda: object(), REFERENCE_CAPABILITIES, **FAST)
+    assert report["protocol"].failed
+    assert "lacks quantize, update_usage, clear_derived, usages, bytes_held, dequantize" in report["protocol"].reason
+    assert report["usages"].status is CheckStatus.SKIPPED
+    assert all(not r.failed for r in report.results if r.name.startswith("policy: "))
+
+
+def test_capabilities_default_to_the_registered_ones():
+    registry = QuantizerRegistry()
+    with pytest.raises(UnknownQuantizerError, match="Float8PerTensorQuantizer"):
+        check_quantizer(Float8PerTensorQuantizer, registry=registry)
+    registry.register(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES)
+    report = check_quantizer(LeakyTransposeQuantizer, registry=registry, **FAST)  # inherits the entry
+    assert report.capabilities is REFERENCE_CAPABILITIES and not report.passed
+
+
+def test_reports_are_deterministic():
+    first = str(check_quantizer(LeakyTransposeQuantizer, REFERENCE_CAPABILITIES, seed=3, **FAST))
+    assert first == str(check_quantizer(LeakyTransposeQuantizer, REFERENCE_CAPABILITIES, seed=3, **FAST))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(factory=3), KitArgumentError, "factory must be a callable"),
+        (dict(capabilities="fp8"), InvalidCapabilitiesError, "capabilities must be a QuantizerCapabilities"),
+        (dict(examples=0), KitArgumentError, "examples must be a positive int"),
+        (dict(shapes=[(128,)]), KitArgumentError, "shapes must be"),
+    ],
+)
+def test_bad_arguments_are_user_errors(kwargs, error, match):
+    args = {"factory": Float8PerTensorQuantizer, "capabilities": REFERENCE_CAPABILITIES, **kwargs}
+    with pytest.raises(error, match=match) as info:
+        check_quantizer(args.pop("factory"), args.pop("capabilities"), **args)
+    assert isinstance(info.value, (TypeError, ValueError))
+
+
+def test_a_factory_that_raises_without_capabilities_is_a_user_error():
+    def factory():
+        raise OSError("no device")
+
+    with pytest.raises(KitArgumentError, match="factory\\(\\) raised OSError: no device"):
+        check_quantizer(factory)
+    report = check_quantizer(factory, QuantizerCapabilities(
+        name="x", columnwise_derivable=False, derived_caches=False, requantization_safe=True))
+    assert report["protocol"].failed and "factory() raised OSError: no device" in str(report)

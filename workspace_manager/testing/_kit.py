@@ -1,0 +1,142 @@
+"""``check_quantizer``: one call that checks a quantizer against the workspace manager.
+
+It runs, in order:
+
+1. ``protocol``: ``factory()`` returns a :class:`QuantizerUnderTest`;
+2. ``usages``: ``quantize`` builds exactly the usages asked for, and
+   ``update_usage(...=False)`` frees a usage's bytes;
+3. ``columnwise_derivable``, ``derived_caches``, ``requantization_safe``:
+   each claim, verified on the quantizer's real data and bytes;
+4. ``policy: <invariant>``: every invariant of
+   :mod:`workspace_manager.testing.invariants` on every plan of every
+   context with these capabilities (exhaustive, not sampled);
+5. ``lifecycle: <setting>``: seeded random walks of forward, backward,
+   optimizer-step and reshard events per module setting, with live bytes
+   read from the quantizer's ``bytes_held``, checking after every event that
+   nothing a plan said to free is alive.
+
+Everything is deterministic for a given ``seed``; nothing needs Hypothesis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._context import QuantizerCapabilities, WorkspaceContext
+from .._errors import InvalidCapabilitiesError, KitArgumentError
+from .._explain import DecisionRow
+from .._plan import WorkspacePlan
+from .._policy import WorkspacePolicy
+from .._registry import QuantizerRegistry, default_registry, qualified_name
+from ._claims import claim_checks, protocol_check, sample_weights
+from ._protocol import QuantizerUnderTest
+from ._report import CheckResult, CheckStatus, QuantizerReport, describe_exception
+from ._walks import lifecycle_checks
+from .invariants import CONTEXT_INVARIANTS, PLAN_INVARIANTS, all_contexts, covering
+
+__all__ = ["check_quantizer", "policy_checks", "DEFAULT_SHAPES"]
+
+#: Weight shapes divisible by 16, 32 and 128, so block formats (MXFP8's 1x32,
+#: NVFP4's 16x16, FP8's 128x128 blocks) can quantize them.
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 128))
+
+
+def check_quantizer(
+    factory: Callable[[], QuantizerUnderTest],
+    capabilities: QuantizerCapabilities | None = None,
+    *,
+    examples: int = 4,
+    steps: int = 40,
+    seed: int = 0,
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+    dtype: torch.dtype = torch.float32,
+    registry: QuantizerRegistry | None = None,
+) -> QuantizerReport:
+    """Check the quantizers ``factory()`` makes against ``capabilities``.
+
+    ``factory`` is called for a fresh quantizer whenever a check needs one
+    (a class with a no-argument constructor will do). ``capabilities``
+    defaults to what ``registry`` (default: the default registry) holds for
+    the quantizer, so a registered quantizer is checked as registered.
+    ``examples`` is the number of weights per capability check and of random
+    walks per lifecycle setting; ``steps`` the events per walk. Returns a
+    :class:`QuantizerReport`; call ``report.raise_for_failures()`` in a test.
+    """
+    _check_arguments(factory, capabilities, examples, steps, shapes)
+    protocol, quantizer = protocol_check(factory)
+    if capabilities is None and quantizer is None:
+        raise KitArgumentError(f"cannot look up capabilities: {protocol.reason}; pass capabilities=... explicitly")
+    caps = capabilities if capabilities is not None else (registry or default_registry).lookup(quantizer)
+    name = qualified_name(type(quantizer)) if quantizer is not None else repr(factory)
+    results = [protocol]
+    if protocol.failed:
+        results += [CheckResult(n, CheckStatus.SKIPPED, "not run: the protocol check failed") for n in _QUANTIZER_CHECKS]
+    else:
+        weights = sample_weights(shapes, examples, seed, dtype)
+        results += claim_checks(factory, caps, weights)
+    results += policy_checks(caps)
+    if not protocol.failed:
+        results += lifecycle_checks(factory, caps, walks=examples, steps=steps, seed=seed, shape=tuple(shapes[0]), dtype=dtype)
+    return QuantizerReport(quantizer=name, capabilities=caps, results=tuple(results))
+
+
+_QUANTIZER_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe", "lifecycle")
+
+
+def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any, shapes: Any) -> None:
+    if not callable(factory):
+        raise KitArgumentError(
+            "check_quantizer's factory must be a callable returning a fresh quantizer (e.g. the quantizer "
+            f"class, or lambda: MyQuantizer(...)); received {factory!r} ({type(factory).__name__})"
+        )
+    if capabilities is not None and not isinstance(capabilities, QuantizerCapabilities):
+        raise InvalidCapabilitiesError(
+            "check_quantizer's capabilities must be a QuantizerCapabilities, or None to look them up in the "
+            f"registry; received {capabilities!r} ({type(capabilities).__name__})"
+        )
+    for label, value in (("examples", examples), ("steps", steps)):
+        if type(value) is not int or value < 1:
+            raise KitArgumentError(f"check_quantizer's {label} must be a positive int; received {value!r}")
+    if not shapes or not all(len(s) == 2 and all(type(d) is int and d > 0 for d in s) for s in shapes):
+        raise KitArgumentError(f"check_quantizer's shapes must be (rows, columns) pairs of positive ints; received {shapes!r}")
+
+
+def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:
+    """Every plan invariant over every (covering policy, context) pair, and
+    every context invariant over every context, for ``capabilities``."""
+    contexts = list(all_contexts(capabilities))
+    triples: list[tuple[WorkspacePolicy, WorkspaceContext, WorkspacePlan]] = []
+    for ctx in contexts:
+        for policy in covering(ctx):
+            try:
+                triples.append((policy, ctx, policy.plan(ctx)))
+            except Exception as err:
+                reason = f"{policy!r} cannot plan a context it covers ({_setting(ctx)}): {describe_exception(err)}"
+                return [CheckResult("policy: plans", CheckStatus.FAILED, reason)]
+    results = [_run_invariant(inv, triples) for inv in PLAN_INVARIANTS]
+    results += [_run_invariant(inv, [(None, ctx, None) for ctx in contexts]) for inv in CONTEXT_INVARIANTS]
+    return results
+
+
+def _run_invariant(invariant: Callable[..., None], cases: list[tuple[Any, WorkspaceContext, Any]]) -> CheckResult:
+    name = f"policy: {invariant.__name__}"
+    failures: list[str] = []
+    for policy, ctx, plan in cases:
+        try:
+            invariant(ctx) if plan is None else invariant(policy, ctx, plan)
+        except Exception as err:
+            where = f"{policy!r} on " if policy is not None else ""
+            shown = f" -> {plan.summary()}" if plan is not None else ""
+            failures.append(f"{where}{_setting(ctx)}{shown}: {err}")
+    what = "plans" if cases and cases[0][2] is not None else "contexts"
+    if failures:
+        summary = f"broken on {len(failures)} of {len(cases)} {what}; first:\n" + failures[0]
+        return CheckResult(name, CheckStatus.FAILED, summary)
+    return CheckResult(name, CheckStatus.PASSED, f"held on all {len(cases)} {what}")
+
+
+def _setting(ctx: WorkspaceContext) -> str:
+    return DecisionRow("", ctx, None).setting()  # type: ignore[arg-type]

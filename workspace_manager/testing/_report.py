@@ -1,0 +1,108 @@
+"""What :func:`~workspace_manager.testing.check_quantizer` returns."""
+
+from __future__ import annotations
+
+import enum
+import textwrap
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._context import QuantizerCapabilities
+
+__all__ = ["CheckStatus", "CheckResult", "QuantizerReport", "QuantizerCheckError"]
+
+
+class CheckStatus(enum.Enum):
+    PASSED = "pass"
+    FAILED = "FAIL"
+    SKIPPED = "skip"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check: its name (``"columnwise_derivable"``, ``"policy: ..."``,
+    ``"lifecycle: ..."``), its status, and why, in words."""
+
+    name: str
+    status: CheckStatus
+    reason: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status is CheckStatus.FAILED
+
+    def render(self) -> str:
+        first, *rest = self.reason.splitlines() or [""]
+        head = f"{self.status.value:<4}  {self.name}: {first}"
+        return "\n".join([head, *(textwrap.indent(line, "        ") for line in rest)])
+
+
+class QuantizerCheckError(AssertionError):
+    """Raised by :meth:`QuantizerReport.raise_for_failures`; its message is the report."""
+
+    def __init__(self, report: QuantizerReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+@dataclass(frozen=True)
+class QuantizerReport:
+    """Every check :func:`check_quantizer` ran on one quantizer."""
+
+    quantizer: str
+    """The quantizer's qualified class name."""
+    capabilities: QuantizerCapabilities
+    """The capabilities it was checked against."""
+    results: tuple[CheckResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def failures(self) -> tuple[CheckResult, ...]:
+        return tuple(r for r in self.results if r.failed)
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for result in self.results:
+            if result.name == name:
+                return result
+        raise KeyError(f"no check named {name!r}; checks: {', '.join(r.name for r in self.results)}")
+
+    def raise_for_failures(self) -> None:
+        """Raise :class:`QuantizerCheckError` (an AssertionError) if any check failed."""
+        if self.failures:
+            raise QuantizerCheckError(self)
+
+    def __str__(self) -> str:
+        caps = self.capabilities
+        skipped = sum(r.status is CheckStatus.SKIPPED for r in self.results)
+        verdict = f"{len(self.failures)} of {len(self.results)} checks failed" if self.failures else (
+            f"all {len(self.results) - skipped} checks passed"
+        )
+        lines = [
+            f"check_quantizer({self.quantizer}): {verdict}" + (f", {skipped} skipped" if skipped else ""),
+            f"  claimed: {caps.name} (columnwise_derivable={caps.columnwise_derivable}, "
+            f"derived_caches={caps.derived_caches}, requantization_safe={caps.requantization_safe})",
+        ]
+        ordered = sorted(self.results, key=lambda r: not r.failed)  # failures first, order kept otherwise
+        return "\n".join(lines + [r.render() for r in ordered])
+
+
+def describe_exception(err: BaseException) -> str:
+    """``Type: message (at file:line in function)``, naming the innermost frame."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
+    """Run ``check``; an exception it raises (an assertion, or an error in
+    the quantizer under test) becomes a failed result."""
+    try:
+        return check()
+    except AssertionError as err:
+        return CheckResult(name, CheckStatus.FAILED, str(err))
+    except Exception as err:  # the quantizer under test may raise anything
+        return CheckResult(name, CheckStatus.FAILED, "the quantizer raised " + describe_exception(err))

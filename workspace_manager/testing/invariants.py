@@ -1,0 +1,310 @@
+"""Properties every plan of every shipped policy must have.
+
+Each *plan invariant* takes ``(policy, ctx, plan)``, where ``policy``
+covers ``ctx`` and ``plan = policy.plan(ctx)``, and raises
+:class:`InvariantViolation` (an ``AssertionError``) when the plan breaks
+it; an invariant that does not apply to the context returns at once. Each
+*context invariant* takes a context alone. The core's property tests
+(``tests/unit/test_policy_properties.py``) draw contexts with Hypothesis and
+call these; :func:`~workspace_manager.testing.check_quantizer` runs them on
+every context with a quantizer's capabilities (:func:`all_contexts`).
+
+Needs nothing beyond the package (no Hypothesis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from .._context import (
+    valid_contexts,
+    BackwardOverride,
+    Microbatch,
+    QuantizerCapabilities,
+    RecomputePass,
+    Sharding,
+    WeightSource,
+    WorkspaceContext,
+)
+from .._errors import PolicyMismatchError
+from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+from .._policy import (
+    DistributedWeightWorkspacePolicy,
+    FSDP2WorkspacePolicy,
+    RecomputeWorkspacePolicy,
+    WorkspacePolicy,
+    select_policy,
+)
+
+__all__ = [
+    "InvariantViolation",
+    "PlanInvariant",
+    "ContextInvariant",
+    "SHIPPED_POLICIES",
+    "PLAN_INVARIANTS",
+    "CONTEXT_INVARIANTS",
+    "all_contexts",
+    "covering",
+    "fsdp2_resharding_never_caches",
+    "fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass",
+    "never_derives_what_the_format_cannot_derive",
+    "a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild",
+    "recompute_passes_never_write_a_cache",
+    "recompute_passes_quantize_once",
+    "no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache",
+    "columnwise_built_in_forward_is_used",
+    "plans_are_deterministic_and_hashable",
+    "quantized_parameters_are_never_cached_or_requantized",
+    "sharded_caches_do_not_outlive_the_step",
+    "fsdp2_derived_data_is_released_whenever_backward_runs",
+    "derived_data_is_released_only_for_formats_that_cache_it",
+    "high_precision_override_keeps_no_quantized_weight_for_backward",
+    "inference_has_no_backward",
+    "unsafe_requantization_is_noted",
+    "select_policy_covers_every_valid_context",
+    "a_policy_refuses_exactly_the_contexts_it_does_not_cover",
+]
+
+
+class InvariantViolation(AssertionError):
+    """A plan (or a policy's choice of contexts) broke an invariant."""
+
+
+PlanInvariant = Callable[[WorkspacePolicy, WorkspaceContext, WorkspacePlan], None]
+ContextInvariant = Callable[[WorkspaceContext], None]
+
+_BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(), DistributedWeightWorkspacePolicy())
+#: Every policy the core ships, recompute wrappers included.
+SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(RecomputeWorkspacePolicy(inner=p) for p in _BASE)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantViolation(message)
+
+
+def all_contexts(capabilities: QuantizerCapabilities) -> Iterator[WorkspaceContext]:
+    """Every valid context for a quantizer with ``capabilities`` (720 of them)."""
+    return valid_contexts(capabilities)
+
+
+def covering(ctx: WorkspaceContext) -> list[WorkspacePolicy]:
+    """The shipped policies that plan ``ctx``, and the one select_policy picks."""
+    found = [p for p in SHIPPED_POLICIES if p.covers(ctx)]
+    selected = select_policy(ctx)
+    return found if selected in found else [*found, selected]
+
+
+# -- plan invariants ----------------------------------------------------------
+def fsdp2_resharding_never_caches(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """Under FSDP2 with reshard_after_forward=True no workspace is cached (TE#2681)."""
+    if ctx.sharding is Sharding.FSDP2_RESHARD:
+        _require(plan.cache is CacheAction.BYPASS, f"FSDP2 resharding planned cache={plan.cache.value}")
+
+
+def fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """TE#2681: a layer's quantized copy of a high-precision weight must not
+    wait for backward. (A recompute pass feeds the backward that follows at
+    once; a non-reentrant first pass saves what checkpointing drops and the
+    recompute pass rebuilds.)"""
+    if (
+        ctx.sharding is Sharding.FSDP2_RESHARD
+        and ctx.weight is WeightSource.HIGH_PRECISION
+        and (ctx.recompute is RecomputePass.NONE or not ctx.grad_enabled)
+    ):
+        _require(not plan.saves_quantized, f"FSDP2 resharding saves backward_source={plan.backward_source.value}")
+
+
+def never_derives_what_the_format_cannot_derive(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """Columnwise data is derived only from formats with columnwise_derivable=True."""
+    if plan.columnwise_source is ColumnwiseSource.DERIVED:
+        _require(ctx.capabilities.columnwise_derivable, "derives columnwise data from a non-derivable format")
+
+
+def a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """Backward always has a way to the quantized weight it reads."""
+    if plan.backward_usage is Usage.NONE:
+        return
+    if plan.backward_source is BackwardSource.SAVED_WORKSPACE:
+        # the saved workspace has the data, or it can be derived
+        _require(
+            Usage.COLUMNWISE not in plan.backward_usage
+            or Usage.COLUMNWISE in plan.forward_usage
+            or ctx.capabilities.columnwise_derivable,
+            "saves a rowwise-only workspace for dgrad on a format that cannot derive columnwise data",
+        )
+        return
+    _require(
+        plan.backward_source in (BackwardSource.SAVED_PARAMETER, BackwardSource.REQUANTIZE, BackwardSource.REGATHER),
+        f"backward reads {plan.backward_usage.label} data from backward_source={plan.backward_source.value}",
+    )
+    if plan.backward_source is BackwardSource.REQUANTIZE:
+        _require(not ctx.is_quantized_param, "requantizes a quantized parameter: nothing high precision to requantize from")
+
+
+def recompute_passes_never_write_a_cache(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """The recompute pass reads the cache but never writes it."""
+    if ctx.recompute is RecomputePass.RECOMPUTE:
+        _require(not plan.cache.writes, f"recompute pass planned cache={plan.cache.value}")
+
+
+def recompute_passes_quantize_once(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """The recompute pass's workspace feeds the backward that follows at once,
+    so it is never requantized there (unless backward gathers the weight anyway)."""
+    if ctx.recompute is RecomputePass.RECOMPUTE and ctx.sharding is not Sharding.DISTRIBUTED_WEIGHT:
+        _require(plan.backward_source is not BackwardSource.REQUANTIZE, "recompute pass requantizes in backward")
+
+
+def no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """Without grad, columnwise data is built only to fill a cache the recompute pass reads."""
+    if not ctx.grad_enabled and Usage.COLUMNWISE in plan.forward_usage:
+        _require(
+            ctx.recompute is RecomputePass.FIRST and plan.cache.writes,
+            "builds columnwise data in a no-grad forward that fills no cache",
+        )
+
+
+def columnwise_built_in_forward_is_used(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """No waste: columnwise data built in forward is saved for dgrad or kept in a cache."""
+    if Usage.COLUMNWISE in plan.forward_usage:
+        _require(
+            plan.columnwise_source is ColumnwiseSource.FORWARD or plan.cache.writes,
+            "builds columnwise data in forward that dgrad never reads and no cache keeps",
+        )
+
+
+def plans_are_deterministic_and_hashable(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """Planning the same context twice gives equal plans with equal hashes."""
+    again = policy.plan(ctx)
+    _require(plan == again and hash(plan) == hash(again), "two plans of one context differ")
+    _require({plan: 1}[again] == 1, "a plan cannot find its twin in a dict")
+    _require(hash(ctx) == hash(ctx), "the context's hash is unstable")
+
+
+def quantized_parameters_are_never_cached_or_requantized(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """A quantized parameter is its own workspace."""
+    if ctx.weight is WeightSource.QUANTIZED_PARAM:
+        _require(plan.cache is CacheAction.BYPASS, f"caches a quantized parameter (cache={plan.cache.value})")
+        _require(plan.backward_source is not BackwardSource.REQUANTIZE, "requantizes a quantized parameter")
+
+
+def sharded_caches_do_not_outlive_the_step(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """A cached workspace of a sharded weight is dropped after the step."""
+    if ctx.sharding is not Sharding.NONE and plan.cache is not CacheAction.BYPASS and ctx.recompute is not RecomputePass.FIRST:
+        _require(Release.CACHED_WORKSPACE in plan.release, "caches a sharded weight without releasing the cache")
+
+
+def fsdp2_derived_data_is_released_whenever_backward_runs(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """TE#2717: the backward gather derives columnwise data in memory FSDP2
+    cannot free, so quantized FSDP2 parameters of formats with derived
+    caches release it whenever backward runs (and only then)."""
+    if not (ctx.sharding.is_fsdp2 and ctx.weight is WeightSource.QUANTIZED_PARAM):
+        return
+    # A reentrant first pass runs without grad; a non-reentrant one (grad on)
+    # is the pass whose autograd nodes backward runs.
+    backward_runs = ctx.grad_enabled
+    expected = backward_runs and ctx.capabilities.derived_caches
+    _require(
+        (Release.DERIVED_COLUMNWISE in plan.release) is expected,
+        f"release={plan.release.label}, expected derived_columnwise {'in' if expected else 'not in'} it",
+    )
+
+
+def derived_data_is_released_only_for_formats_that_cache_it(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """Release.DERIVED_COLUMNWISE appears only for derived_caches=True."""
+    if Release.DERIVED_COLUMNWISE in plan.release:
+        _require(ctx.capabilities.derived_caches, "releases derived data of a format that keeps none")
+
+
+def high_precision_override_keeps_no_quantized_weight_for_backward(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """backward_override="high_precision": backward reads no quantized weight."""
+    if ctx.backward_override is not BackwardOverride.HIGH_PRECISION:
+        return
+    _require(plan.backward_usage is Usage.NONE, f"backward reads {plan.backward_usage.label} data")
+    if ctx.recompute is not RecomputePass.FIRST or not plan.cache.writes:
+        _require(Usage.COLUMNWISE not in plan.forward_usage, "builds columnwise data nothing reads")
+
+
+def inference_has_no_backward(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """Without grad nothing is kept for backward and nothing is released."""
+    if not ctx.grad_enabled:
+        _require(
+            plan.backward_source is BackwardSource.NONE and plan.release is Release.NOTHING,
+            f"no-grad call plans backward={plan.backward_source.value} release={plan.release.label}",
+        )
+
+
+def unsafe_requantization_is_noted(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """A plan that requantizes dgrad's data with a requantization-unsafe format says so in its notes."""
+    if plan.columnwise_source is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
+        _require(
+            any(ctx.capabilities.name in n and "requantize exactly" in n for n in plan.notes),
+            f"requantizes {ctx.capabilities.name} for dgrad without a note; notes: {plan.notes}",
+        )
+
+
+# -- context invariants -------------------------------------------------------
+def select_policy_covers_every_valid_context(ctx: WorkspaceContext) -> None:
+    """select_policy picks a policy that covers the context and plans it without raising."""
+    policy = select_policy(ctx)
+    _require(policy.covers(ctx), f"select_policy picked {policy!r}, which does not cover the context")
+    policy.plan(ctx)  # never raises for a valid context
+
+
+def a_policy_refuses_exactly_the_contexts_it_does_not_cover(
+    ctx: WorkspaceContext, policies: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES
+) -> None:
+    """Each policy plans the contexts it covers and raises PolicyMismatchError, naming itself, on the others."""
+    for policy in policies:
+        if policy.covers(ctx):
+            policy.plan(ctx)
+            continue
+        try:
+            policy.plan(ctx)
+        except PolicyMismatchError as err:
+            _require(type(policy).__name__ in str(err), f"{policy!r}'s PolicyMismatchError does not name it: {err}")
+        else:
+            raise InvariantViolation(f"{policy!r} planned a context it does not cover")
+
+
+#: Every plan invariant, run by check_quantizer on each covering (policy, context).
+PLAN_INVARIANTS: tuple[PlanInvariant, ...] = (
+    fsdp2_resharding_never_caches,
+    fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass,
+    never_derives_what_the_format_cannot_derive,
+    a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild,
+    recompute_passes_never_write_a_cache,
+    recompute_passes_quantize_once,
+    no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache,
+    columnwise_built_in_forward_is_used,
+    plans_are_deterministic_and_hashable,
+    quantized_parameters_are_never_cached_or_requantized,
+    sharded_caches_do_not_outlive_the_step,
+    fsdp2_derived_data_is_released_whenever_backward_runs,
+    derived_data_is_released_only_for_formats_that_cache_it,
+    high_precision_override_keeps_no_quantized_weight_for_backward,
+    inference_has_no_backward,
+    unsafe_requantization_is_noted,
+)
+
+#: Every context invariant, run by check_quantizer on each context.
+CONTEXT_INVARIANTS: tuple[ContextInvariant, ...] = (
+    select_policy_covers_every_valid_context,
+    a_policy_refuses_exactly_the_contexts_it_does_not_cover,
+)
