@@ -13,6 +13,7 @@ threads); what it needs travels on the autograd ctx as a
 from __future__ import annotations
 
 import contextvars
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,13 @@ class ReleaseRecord:
         self.items = []
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan_for(policy: Any, ctx: WorkspaceContext) -> WorkspacePlan:
+    """Plans are pure functions of (policy, context), both frozen and
+    hashable, so each distinct call shape is planned once per process."""
+    return policy.plan(ctx)
+
+
 class ManagedCall:
     """The state of one managed module call, shared by the seams."""
 
@@ -164,7 +172,11 @@ class ManagedCall:
             microbatch=Microbatch.from_is_first_microbatch(is_first_microbatch),
             backward_override=BackwardOverride.from_te(backward_override),
         )
-        plan = resolve_policy(ctx, self.module.workspace_policy).plan(ctx)
+        plan = _plan_for(resolve_policy(ctx, self.module.workspace_policy), ctx)
+        if is_qp and ctx.sharding.is_fsdp2:
+            from ._shards import track
+
+            track(self.module)  # its shards are trimmed after every optimizer step
         slot = WeightSlot(key=key, tensor=weight, plan=plan, is_quantized_param=is_qp)
         self.slots = [s for s in self.slots if s.key != key] + [slot]
         self.module._te_wm_last_plans[key] = (ctx, plan)

@@ -21,6 +21,7 @@ from workspace_manager import PolicyMismatchError, Sharding, WorkspacePolicy, de
 from . import _compat as te
 from ._call import ACTIVE, ManagedCall
 from ._seams import install
+from ._shards import trim_sharded_parameters
 
 __all__ = [
     "Linear",
@@ -55,6 +56,14 @@ class _ManagedModule:
             return out
         finally:
             ACTIVE.reset(token)
+
+    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
+        super().reset_parameters(*args, **kwargs)
+        trim_sharded_parameters(self)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        trim_sharded_parameters(self)
 
     @property
     def is_fsdp2(self) -> bool:

@@ -31,6 +31,7 @@ def plan_notes(
     source: BackwardSource,
     columnwise: ColumnwiseSource,
     release: Release,
+    keeps: Usage = Usage.NONE,
 ) -> tuple[str, ...]:
     """Why a plan is what it is, one short sentence per decision that needs one."""
     notes = [_cache_note(ctx, cache)]
@@ -51,6 +52,8 @@ def plan_notes(
         notes.append("derived columnwise data cleared after backward; FSDP2 cannot free it (TE#2717)")
     if Release.CACHED_WORKSPACE in release:
         notes.append("cached workspace dropped after the step's last backward")
+    if keeps is Usage.ROWWISE:
+        notes.append("the sharded parameter keeps rowwise data only: its all-gather sends no more")
     return tuple(n for n in notes if n)
 
 
@@ -168,7 +171,8 @@ def render_json(rows: list[DecisionRow]) -> str:
     return json.dumps([r.to_dict() for r in rows], indent=1)
 
 
-_COLUMNS = ("setting", "cache", "forward", "backward gets", "dgrad columnwise", "release", "quantizers")
+_COLUMNS = ("setting", "cache", "forward", "backward gets", "dgrad columnwise", "release", "param keeps",
+            "quantizers")
 
 
 def _grouped(rows: list[DecisionRow]) -> dict[str, list[tuple[str, WorkspacePlan, list[str]]]]:
@@ -200,6 +204,7 @@ def render_text(rows: list[DecisionRow]) -> str:
                 f"{plan.backward_source.value} ({plan.backward_usage.label})",
                 plan.columnwise_source.value,
                 plan.release.label,
+                plan.parameter_keeps.label if plan.parameter_keeps is not Usage.NONE else "-",
                 ",".join(names),
             )
             for setting, plan, names in lines

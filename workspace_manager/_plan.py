@@ -139,6 +139,9 @@ class WorkspacePlan:
     """Where dgrad's columnwise data comes from."""
     release: Release
     """What is released after backward."""
+    parameter_keeps: Usage = Usage.NONE
+    """For a quantized parameter: the usages its own (for FSDP2: sharded)
+    copy keeps between steps; none for a high-precision weight."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the plan is what it is, in words, for tables and reports."""
 
@@ -155,6 +158,7 @@ class WorkspacePlan:
             f"cache={self.cache.value} forward={self.forward_usage.label} "
             f"backward={self.backward_source.value}({self.backward_usage.label}) "
             f"columnwise={self.columnwise_source.value} release={self.release.label}"
+            + (f" parameter_keeps={self.parameter_keeps.label}" if self.parameter_keeps is not Usage.NONE else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +169,7 @@ class WorkspacePlan:
             "backward_usage": self.backward_usage.label,
             "columnwise_source": self.columnwise_source.value,
             "release": self.release.label,
+            "parameter_keeps": self.parameter_keeps.label,
             "notes": list(self.notes),
         }
 
@@ -174,6 +179,8 @@ def _contradictions(plan: WorkspacePlan) -> list[str]:
     problems = []
     if plan.forward_usage not in (Usage.ROWWISE, Usage.BOTH):
         problems.append("forward_usage must include rowwise (fprop reads it)")
+    if plan.parameter_keeps not in (Usage.NONE, Usage.ROWWISE, Usage.BOTH):
+        problems.append("a quantized parameter keeps rowwise data (its all-gather and fprop read it)")
     if plan.backward_source in (BackwardSource.NONE, BackwardSource.HIGH_PRECISION):
         if plan.backward_usage is not Usage.NONE:
             problems.append(f"backward_source={plan.backward_source.value} reads no quantized weight")

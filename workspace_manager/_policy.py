@@ -150,9 +150,10 @@ class WorkspacePolicy:
         source = self.backward_source(ctx, cache)
         columnwise = self.columnwise_source(ctx, source, forward)
         release = self.release(ctx, cache)
-        return _assemble(ctx, cache, forward, source, columnwise, release)
+        keeps = self.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
+        return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
 
-    # -- the five questions -------------------------------------------------
+    # -- the six questions --------------------------------------------------
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         """Is the workspace cached across calls, and refreshed this call?"""
         return _cache_by_microbatch(ctx)
@@ -175,6 +176,12 @@ class WorkspacePolicy:
     def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
         """What is released after backward? Whole weights own their caches."""
         return Release.NOTHING
+
+    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
+        """What does a quantized parameter keep between steps? A whole
+        parameter feeds the GEMMs itself, so it keeps both usages (TE's
+        behaviour)."""
+        return Usage.BOTH
 
 
 def _columnwise_for(
@@ -268,6 +275,15 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
             release |= Release.CACHED_WORKSPACE
         return release
 
+    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
+        # The shard never feeds a GEMM: only its all-gather reads it. For
+        # formats that can derive columnwise data, TE's FSDP2 hooks gather
+        # rowwise data alone (in both reshard modes) and derive columnwise
+        # data after the gather, so a columnwise copy on the shard is memory
+        # and optimizer writes that buy nothing. Other formats gather the
+        # columnwise data itself, so the shard must keep it.
+        return Usage.ROWWISE if ctx.capabilities.columnwise_derivable else Usage.BOTH
+
 
 @dataclass(frozen=True)
 class DistributedWeightWorkspacePolicy(WorkspacePolicy):
@@ -348,7 +364,7 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
             replay = super()._plan_unchecked(replace(ctx, recompute=RecomputePass.RECOMPUTE))
             return _assemble(
                 ctx, self.cache_action(ctx), replay.forward_usage, replay.backward_source,
-                replay.columnwise_source, replay.release,
+                replay.columnwise_source, replay.release, replay.parameter_keeps,
             )
         return super()._plan_unchecked(ctx)
 
@@ -388,6 +404,9 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         if ctx.recompute is RecomputePass.FIRST:
             return Release.NOTHING
         return self.inner.release(ctx.as_plain_forward(), self._inner_cache(ctx))
+
+    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
+        return self.inner.parameter_keeps(ctx.as_plain_forward())
 
 
 _SHARDING_POLICIES: dict[Sharding, type[WorkspacePolicy]] = {
@@ -435,11 +454,12 @@ def _assemble(
     source: BackwardSource,
     columnwise: ColumnwiseSource,
     release: Release,
+    keeps: Usage,
 ) -> WorkspacePlan:
     from ._explain import plan_notes  # notes are presentation; kept out of the decisions
 
     usage = backward_usage(ctx, source)
-    notes = plan_notes(ctx, cache, forward, source, columnwise, release)
+    notes = plan_notes(ctx, cache, forward, source, columnwise, release, keeps)
     return WorkspacePlan(
         cache=cache,
         forward_usage=forward,
@@ -447,5 +467,6 @@ def _assemble(
         backward_usage=usage,
         columnwise_source=columnwise,
         release=release,
+        parameter_keeps=keeps,
         notes=notes,
     )

@@ -46,7 +46,8 @@ def _recipe(name):
     return None if name == "bf16" else getattr(recipe, name)()
 
 
-def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bool = True):
+def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bool = True,
+          size: tuple[int, int, int, int] = (HIDDEN, FFN, HEADS, LAYERS)):
     import transformer_engine.pytorch as te
     from torch.distributed.fsdp import fully_shard
 
@@ -57,9 +58,10 @@ def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bo
         kwargs["device"] = "meta"
     init = te.quantized_model_init(enabled=True, recipe=recipe) if quantized_init else contextlib.nullcontext()
     construction = ti.managed_construction() if managed else contextlib.nullcontext()
+    hidden, ffn, heads, layers = size
     torch.manual_seed(0)
     with init, construction:
-        model = Stack(*[te.TransformerLayer(HIDDEN, FFN, HEADS, **kwargs) for _ in range(LAYERS)])
+        model = Stack(*[te.TransformerLayer(hidden, ffn, heads, **kwargs) for _ in range(layers)])
     attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
     for child in model.children():
         fully_shard(child, reshard_after_forward=reshard_after_forward)

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workspace_manager import (
+    Usage,
     BackwardOverride,
     RecomputePass,
     Sharding,
@@ -151,3 +152,19 @@ def test_the_invariants_can_fail():
         inv.fsdp2_resharding_never_caches(select_policy(ctx), ctx, caching)
     with pytest.raises(AssertionError, match="saves backward_source=saved_workspace"):
         inv.fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(select_policy(ctx), ctx, caching)
+
+
+@given(covering_policies())
+def test_sharded_quantized_parameters_keep_only_what_their_gather_needs(pair):
+    """Issue 7: an FSDP2 shard of a derivable format keeps rowwise data only
+    (TE's hooks gather rowwise data and derive the rest); a format that
+    cannot derive keeps both, since its gather sends both; whole parameters
+    keep TE's behaviour; high-precision weights keep no quantized copy."""
+    policy, ctx = pair
+    keeps = policy.plan(ctx).parameter_keeps
+    if not ctx.is_quantized_param:
+        assert keeps is Usage.NONE
+    elif ctx.sharding.is_fsdp2 and ctx.capabilities.columnwise_derivable:
+        assert keeps is Usage.ROWWISE
+    else:
+        assert keeps is Usage.BOTH

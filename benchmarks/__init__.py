@@ -1,0 +1,22 @@
+"""Benchmarks: memory and step time of the drop-in TE modules against stock TE.
+
+Each benchmark is a module run with ``python -m`` (``torchrun
+--nproc_per_node=2 -m benchmarks.<name>`` where FSDP2 is involved). Each one
+writes a JSON result (configuration, environment, raw samples, summary) and a
+Markdown summary table to ``benchmarks/results/`` (``--out``), and
+``python -m benchmarks.plot`` turns results into PNG figures.
+
+| module | runs on | measures |
+|---|---|---|
+| ``fsdp2_memory`` | 2 GPUs, FSDP2 | memory and step time, stock vs drop-in vs bf16, per recipe x init, plus a depth sweep |
+| ``microbatch`` | 2 GPUs, FSDP2 | ``reshard_after_forward=False`` with 4 and 8 microbatches: quantizations per step, step time |
+| ``recompute`` | 2 GPUs, FSDP2 | ``te.checkpoint`` around every layer: memory and step time |
+| ``soak`` | 2 GPUs, FSDP2 | allocated memory after each of 200 steps: flat after warm-up |
+| ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
+| ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
+
+The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
+pieces (``_dist``, ``_stack``) import TE, CUDA and ``te_integration`` only
+inside the functions that use them, so ``--help`` and the CPU tests work
+without them. See benchmarks/README.md.
+"""

@@ -1,0 +1,92 @@
+"""Launching an FSDP2 benchmark: torchrun, CUDA, TE and NCCL, checked with
+errors that say what to do. torch.distributed, CUDA and TE are imported
+inside the functions, so importing this module needs none of them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+#: NVLink multicast stays off (the device machines share GPUs; see
+#: benchmarks/README.md). Set only where the caller has not set them.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def launch_message(name: str, argv: Sequence[str], ranks: int, world: int) -> str:
+    args = " ".join(argv)
+    found = "it was started without torchrun" if world == 0 else f"it was started with {world} rank(s)"
+    return (f"benchmarks.{name} runs FSDP2 on {ranks} GPUs, one process each, but {found}. Launch it with:\n"
+            f"  torchrun --nproc_per_node={ranks} -m benchmarks.{name} {args}".rstrip() + "\n"
+            "(on the device machine, run `source .te-bundle/setup.sh` first; "
+            "`python -m benchmarks.run_all` launches every benchmark)")
+
+
+def require_launch(name: str, argv: Sequence[str], *, ranks: int = 2) -> None:
+    """Exit with a message saying how to launch, unless this process is one
+    of >= ``ranks`` torchrun ranks on a CUDA machine with TE importable."""
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0) if "LOCAL_RANK" in os.environ else 0
+    if world < ranks:
+        raise SystemExit(launch_message(name, argv, ranks, world))
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks.{name} needs CUDA GPUs; torch {torch.__version__} sees none here.")
+    local = int(os.environ["LOCAL_RANK"])
+    if local >= torch.cuda.device_count():
+        raise SystemExit(f"benchmarks.{name}: LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s); "
+                         f"use --nproc_per_node={torch.cuda.device_count()} or fewer")
+    try:
+        import te_integration  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(f"benchmarks.{name} needs TransformerEngine 2.20 with te_integration: {err}\n"
+                         "On the device machine run `source .te-bundle/setup.sh` first.") from None
+
+
+class Dist:
+    """This rank, and the few collectives the benchmarks need."""
+
+    def __init__(self, timeout_s: float = 900.0) -> None:
+        import torch
+        import torch.distributed as dist
+
+        for key, value in SAFE_ENV.items():
+            os.environ.setdefault(key, value)
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(self.local_rank)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._dist, self._torch = dist, torch
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (budget decisions)."""
+        t = self._torch.tensor([1.0 if flag else 0.0], device="cuda")
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maximum over the ranks (a step lasts as long as its slowest rank)."""
+        if not values:
+            return []
+        t = self._torch.tensor(list(values), dtype=self._torch.float64, device="cuda")
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
+
+    def all_equal(self, value: Any) -> bool:
+        """Whether every rank holds the same ``value`` (a picklable object)."""
+        gathered: list[Any] = [None] * self.world
+        self._dist.all_gather_object(gathered, value)
+        return all(v == gathered[0] for v in gathered)
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.barrier()
+            self._dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""The driver every GPU benchmark shares: launch checks, jobs run one by
+one with progress and a time budget, errors recorded (one failing
+configuration does not hide the others), and rank 0 writing the result.
+
+A benchmark supplies ``plan(args, dist, world, total_gib) -> list[Job]``
+(pure: it only builds the jobs, so the CPU tests call it with ``dist=None``) and ``summarize(samples, args) -> dict`` with any of
+``rows``, ``series``, ``timings``, ``tables`` (pure as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _harness as h
+
+
+@dataclass
+class Job:
+    """One measured configuration: ``run()`` returns its raw figures, which
+    are stored with ``meta`` as one sample."""
+
+    label: str
+    meta: dict
+    run: Callable[[], dict]
+    estimate_s: float = 1.0
+    spec: Any = field(default=None, repr=False)
+
+
+def run_jobs(jobs: Sequence[Job], result: dict, progress: h.Progress,
+             on_error: Callable[[], None] = lambda: None) -> None:
+    """Run ``jobs`` in order into ``result['samples']``. Once the budget has
+    passed, the rest are listed under ``skipped``; a job that raises is
+    listed under ``errors`` with its traceback."""
+    for i, job in enumerate(jobs):
+        if progress.over_budget():
+            result["skipped"] += [{"what": j.label, "why": f"time budget of {progress.budget_s:.0f} s reached"}
+                                  for j in jobs[i:]]
+            progress.say(f"time budget reached: skipping {len(jobs) - i} configuration(s)")
+            return
+        progress.start(job.label, job.estimate_s)
+        try:
+            sample = job.run()
+        except Exception:  # recorded, so one failing configuration does not hide the others
+            result["errors"].append({"where": job.label, "traceback": traceback.format_exc()})
+            on_error()
+            progress.done("FAILED (see errors)")
+            continue
+        result["samples"].append({**job.meta, **sample})
+        progress.done(_short(sample))
+
+
+def _short(sample: dict) -> str:
+    parts = []
+    if sample.get("peak_mib") is not None:
+        parts.append(f"peak {sample['peak_mib']:.1f} MiB")
+    times = sample.get("step_time_s") or []
+    if times:
+        parts.append(f"median step {1e3 * h.spread(times)['median']:.2f} ms")
+    return "(" + ", ".join(parts) + ")" if parts else ""
+
+
+def apply_summary(result: dict, summary: dict) -> None:
+    for key in ("rows", "series", "timings", "tables", "bars"):
+        result[key] = list(summary.get(key, []))
+
+
+def supported_recipes(names: Sequence[str], result: dict) -> list[str]:
+    """The recipes this GPU runs (TE's own checks); the others are skipped with TE's reason."""
+    from ._stack import recipe_skip_reason
+
+    kept = []
+    for name in names:
+        reason = recipe_skip_reason(name)
+        if reason is None:
+            kept.append(name)
+        else:
+            result["skipped"].append({"what": name, "why": reason})
+    return kept
+
+
+def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
+             plan: Callable[..., list[Job]], summarize: Callable[[list[dict], argparse.Namespace], dict],
+             extra_config: dict | None = None) -> int:
+    """Check the launch, run the planned jobs on every rank, summarize and
+    write on rank 0. Exit status 1 if any configuration failed."""
+    from ._dist import require_launch
+
+    require_launch(name, list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    from . import _stack
+    from ._dist import Dist
+
+    t0 = time.perf_counter()
+    dist = Dist()
+    result = h.new_result(name, h.config_of(args, world_size=dist.world, **(extra_config or {})))
+    try:
+        _stack.install_seams()
+        args.recipes = supported_recipes(args.recipes, result)
+        total_gib = torch.cuda.get_device_properties(dist.local_rank).total_memory / 2**30
+        jobs = plan(args, dist, dist.world, total_gib)
+        result["config"]["planned"] = [j.label for j in jobs]
+        result["config"]["estimated_s"] = round(sum(j.estimate_s for j in jobs), 1)
+        progress = h.Progress(sum(j.estimate_s for j in jobs), enabled=dist.is_main and not args.quiet,
+                              budget_s=args.time_budget, agree=dist.any_true)
+        progress.say(f"benchmarks.{name}: {len(jobs)} configuration(s), about {result['config']['estimated_s']:.0f} s "
+                     f"estimated; writing to {args.out}")
+        if getattr(args, "prime", True):
+            _stack.prime(args.recipes, dist)
+        run_jobs(jobs, result, progress, on_error=_stack.release_memory)
+        apply_summary(result, summarize(result["samples"], args))
+    except Exception:
+        result["errors"].append({"where": "driver", "traceback": traceback.format_exc()})
+    finally:
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        if dist.is_main:
+            paths = h.write_result(result, args.out, args.tag)
+            print(f"wrote {paths[0]} and {paths[1]}", flush=True)
+        dist.close()
+    return 1 if result["errors"] else 0

@@ -1,0 +1,441 @@
+"""The model, data and measurement loop of the GPU benchmarks.
+
+A stack of ``te.TransformerLayer`` (``fuse_qkv_params=True``, bf16 params,
+no dropout) under FSDP2 (``fully_shard`` on every layer and at the root),
+built stock or from the drop-ins (``te_integration.managed_construction``),
+with bf16 params or under ``te.quantized_model_init``, optionally with
+``te.checkpoint`` around every layer. Trained with TE's FusedAdam (fp32
+master weights) on random data that is the same for stock and drop-in.
+
+This is the approach of ``tests/gpu/_fsdp2_stack.py`` (which stays as it
+is), generalised to sizes, depths, microbatches and recompute. Memory
+figures are rank 0's and relative to what was allocated before the model
+was built (TE keeps global state from models built earlier). Step times are
+the slowest rank's, between two ``torch.cuda.synchronize``.
+
+TE, CUDA and ``te_integration`` are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._harness import MIB, VARIANT_LABELS
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    ffn: int
+    heads: int
+    seq: int
+    batch: int
+    layers: int  # default depth
+
+
+SIZES = {
+    # TE's FSDP2 leak-test model.
+    "leak": Size("leak", hidden=256, ffn=1024, heads=8, seq=32, batch=2, layers=8),
+    # A realistic layer; fsdp2_memory sizes its depth to the memory budget (auto_layers).
+    "realistic": Size("realistic", hidden=4096, ffn=16384, heads=32, seq=2048, batch=1, layers=8),
+}
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to build and train."""
+
+    size: Size
+    layers: int
+    recipe: str = "bf16"  # "bf16" or a recipe class name of transformer_engine.common.recipe
+    managed: bool = False
+    quantized_init: bool = False
+    reshard_after_forward: bool = True
+    checkpoint: str = "none"  # "none", "nonreentrant" or "reentrant" te.checkpoint around every layer
+
+    @property
+    def variant(self) -> str:
+        return "bf16" if self.recipe == "bf16" else ("dropin" if self.managed else "stock")
+
+    def label(self) -> str:
+        parts = [self.size.name, f"{self.layers}L", self.recipe]
+        if self.quantized_init:
+            parts.append("qinit")
+        if not self.reshard_after_forward:
+            parts.append("keep")
+        if self.checkpoint != "none":
+            parts.append(f"ckpt-{self.checkpoint}")
+        return " ".join(parts + [VARIANT_LABELS[self.variant]])
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["size"] = self.size.name
+        d["variant"] = self.variant
+        return d
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Steps per model: untimed warm-up, memory probes (synchronizing, with
+    quantization counting), then timed steps."""
+
+    warmup: int
+    probe: int
+    timed: int
+    micro: int = 1
+
+
+def auto_layers(size: Size, world: int, budget_gib: float, total_gib: float, max_layers: int) -> int:
+    """How many layers of ``size`` fit in ``budget_gib`` per GPU (at most 80%
+    of ``total_gib``), with margin. Per layer and rank: bf16 param and grad,
+    fp32 master weight and two Adam moments, sharded over ``world`` (16 bytes
+    a parameter), and about 40 bytes of saved activations per token and
+    hidden unit; x1.25 for FP8 copies and the allocator. Fixed: 6 GiB plus
+    two gathered bf16 layers."""
+    params = 4 * size.hidden**2 + 2 * size.hidden * size.ffn + 9 * size.hidden + size.ffn
+    per_layer = 1.25 * (16 * params / world + 40 * size.seq * size.batch * size.hidden)
+    fixed = 6 * 2**30 + 2 * 2 * params
+    budget = min(budget_gib, 0.8 * total_gib) * 2**30
+    return max(1, min(max_layers, int((budget - fixed) // per_layer)))
+
+
+def estimate_seconds(spec: ModelSpec, steps: Steps) -> float:
+    """A rough duration of one measured model, for the ETA and the time
+    budget: building, then per layer and microbatch step the larger of a
+    launch-bound floor (3 ms) and the GEMM time at ~500 TFLOP/s, plus the
+    optimizer step (memory-bound)."""
+    s = spec.size
+    params = 4 * s.hidden**2 + 2 * s.hidden * s.ffn
+    per_layer = max(0.003, 6 * s.seq * s.batch * params / 5e14)
+    if spec.checkpoint != "none":
+        per_layer *= 1.35
+    n_steps = steps.warmup + steps.probe + steps.timed
+    build = 0.3 + spec.layers * (0.02 + params / 2e9)
+    optimizer = 0.002 + spec.layers * params * 14 / 4e12
+    return build + n_steps * (steps.micro * spec.layers * per_layer + optimizer)
+
+
+# -- the model ---------------------------------------------------------------------
+class Stack(torch.nn.Sequential):
+    """The layers in sequence, passing ``is_first_microbatch`` to each, each
+    inside ``te.checkpoint`` when ``checkpoint_mode`` says so. The root stays
+    a module FSDP2 wraps, so its hooks run."""
+
+    checkpoint_mode = "none"
+
+    def forward(self, x, is_first_microbatch=None):
+        if self.checkpoint_mode == "none":
+            for layer in self:
+                x = layer(x, is_first_microbatch=is_first_microbatch)
+            return x
+        import transformer_engine.pytorch as te
+
+        reentrant = self.checkpoint_mode == "reentrant"
+        if reentrant and not x.requires_grad:
+            # A reentrant checkpoint's output needs grad only if an input does:
+            # the layers' parameters are not inputs of its autograd Function.
+            x = x.detach().requires_grad_()
+        for layer in self:
+            x = te.checkpoint(layer, x, is_first_microbatch=is_first_microbatch, use_reentrant=reentrant)
+        return x
+
+
+def make_recipe(name: str):
+    """The TE recipe object for ``name``; None for bf16."""
+    if name == "bf16":
+        return None
+    from transformer_engine.common import recipe
+
+    return getattr(recipe, name)()
+
+
+def recipe_skip_reason(name: str) -> str | None:
+    """TE's own support check for the recipe on this GPU (None: supported)."""
+    if name == "bf16":
+        return None
+    from transformer_engine.pytorch import quantization as q
+
+    check = {"DelayedScaling": q.check_fp8_support, "Float8CurrentScaling": q.check_fp8_support,
+             "Float8BlockScaling": q.check_fp8_block_scaling_support}[name]
+    ok, reason = check()
+    return None if ok else f"{name}: {reason}"
+
+
+def build(spec: ModelSpec) -> torch.nn.Module:
+    """The stack of ``spec``, sharded with FSDP2 (seeded: stock and drop-in
+    start from the same weights)."""
+    import transformer_engine.pytorch as te
+
+    import te_integration as ti
+
+    s = spec.size
+    kwargs: dict[str, Any] = dict(fuse_qkv_params=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+                                  attention_dropout=0.0)
+    recipe = make_recipe(spec.recipe)
+    qinit = spec.quantized_init and recipe is not None
+    if qinit:
+        kwargs["device"] = "meta"
+    init = te.quantized_model_init(enabled=True, recipe=recipe) if qinit else contextlib.nullcontext()
+    construction = ti.managed_construction() if spec.managed else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with init, construction:
+        model = Stack(*[te.TransformerLayer(s.hidden, s.ffn, s.heads, **kwargs) for _ in range(spec.layers)])
+    model.checkpoint_mode = spec.checkpoint
+    _shard(model, spec.reshard_after_forward, qinit)
+    return model
+
+
+def _shard(model: torch.nn.Module, reshard_after_forward: bool, qinit: bool) -> None:
+    """``fully_shard`` every layer and the root; materialize meta weights
+    (quantized init); keep TE's parameter attributes, which FSDP2's new
+    parameters lack."""
+    from torch.distributed.fsdp import fully_shard
+
+    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    for child in model.children():
+        fully_shard(child, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    if qinit:
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    for name, p in model.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
+def optimizer_for(model: torch.nn.Module):
+    import transformer_engine.pytorch as te
+
+    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
+                                   master_weight_dtype=torch.float32)
+
+
+def weight_numel(model: torch.nn.Module) -> int:
+    """Elements of the GEMM weights (global, unsharded): the size of one FP8 copy in bytes."""
+    return int(sum(p.numel() for _, p in model.named_parameters() if p.dim() == 2))
+
+
+def make_batches(size: Size, step: int, micro: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs and targets of one step: different per rank, step and
+    microbatch; the same for every model."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    batches = []
+    for m in range(micro):
+        g = torch.Generator(device="cuda").manual_seed(1_000 + 1_000 * step + 10 * m + rank)
+        x = torch.randn(size.seq, size.batch, size.hidden, dtype=torch.bfloat16, device="cuda", generator=g)
+        batches.append((x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)))
+    return batches
+
+
+# -- measuring ---------------------------------------------------------------------
+def allocated() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def release_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def install_seams() -> None:
+    """Install the drop-ins' seams now, so stock and drop-in models run in
+    the same process state whatever the order (stock modules pass through
+    them unchanged, and the quantization counter sees both)."""
+    from te_integration import _seams
+
+    _seams.install()
+
+
+class QuantizationCounter:
+    """Counts real weight quantizations (cache hits without refresh
+    excluded), stock and drop-in alike: both reach TE's ``quantize_weight``
+    through ``te_integration._compat`` once the seams are installed."""
+
+    def __init__(self) -> None:
+        from te_integration import _compat
+
+        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
+
+    def __enter__(self) -> QuantizationCounter:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+        def counting(**kw):
+            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
+            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
+                self.count += 1
+            return self.original(**kw)
+
+        self.compat.quantize_weight = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.compat.quantize_weight = self.original
+
+
+def cached_workspaces(model: torch.nn.Module) -> int:
+    return sum(len(getattr(m, "_fp8_workspaces", None) or {}) for m in model.modules())
+
+
+class Probe:
+    """Synchronizing memory marks for one step: before and after the first
+    microbatch's forward and backward, after every layer's forward (forward
+    hooks; recompute passes in backward are not recorded), after the step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.marks: list[int] = []
+        self.points: dict[str, int] = {}
+        self.recording = False
+        self._hooks = [child.register_forward_hook(self._hook) for child in model.children()]
+
+    def _hook(self, *_: Any) -> None:
+        if self.recording:
+            self.marks.append(allocated())
+
+    def mark(self, name: str) -> None:
+        self.points[name] = allocated()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def figures(self, baseline: int) -> dict:
+        p = self.points
+        diffs = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return {
+            "fwd_kib_per_layer": sum(diffs) / len(diffs) / 1024 if diffs else None,
+            # TE's leak-test measure: after backward minus after forward.
+            "bwd_mib": (p["post_bwd"] - p["post_fwd"]) / MIB,
+            # After backward minus before forward: what forward+backward leaves.
+            "kept_after_bwd_mib": (p["post_bwd"] - p["pre_fwd"]) / MIB,
+            "fwd_total_mib": (p["post_fwd"] - p["pre_fwd"]) / MIB,
+            "after_step_mib": (p["after_step"] - baseline) / MIB,
+        }
+
+
+def run_step(model, opt, recipe, batches, probe: Probe | None = None) -> list[torch.Tensor]:
+    """One optimizer step over ``batches`` (microbatches with
+    ``is_first_microbatch`` when there are several); the detached losses."""
+    import transformer_engine.pytorch as te
+
+    opt.zero_grad(set_to_none=True)
+    losses = []
+    for m, (x, target) in enumerate(batches):
+        first = (m == 0) if len(batches) > 1 else None
+        watch = probe is not None and m == 0
+        if watch:
+            probe.mark("pre_fwd")
+            probe.recording = True
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x, is_first_microbatch=first)
+        if watch:
+            probe.recording = False
+            probe.mark("post_fwd")
+        loss = F.mse_loss(out, target) / len(batches)
+        loss.backward()
+        if watch:
+            probe.mark("post_bwd")
+        losses.append(loss.detach())
+    opt.step()
+    if probe is not None:
+        probe.mark("after_step")
+    return losses
+
+
+def measure(spec: ModelSpec, steps: Steps, dist) -> dict:
+    """Build ``spec``, train it (warm-up, probes, timed steps), free it;
+    every figure as a dict (see :func:`_train`)."""
+    release_memory()
+    baseline = allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = build(spec)
+    opt = optimizer_for(model)
+    build_s = time.perf_counter() - t0
+    try:
+        figures = _train(model, opt, spec, steps, dist, baseline)
+        figures.update(spec=spec.as_dict(), variant=spec.variant, build_s=build_s, baseline_mib=baseline / MIB,
+                       weight_numel=weight_numel(model))
+        return figures
+    finally:
+        del model, opt
+        release_memory()
+
+
+def _train(model, opt, spec: ModelSpec, steps: Steps, dist, baseline: int) -> dict:
+    recipe = make_recipe(spec.recipe)
+    losses: list[float] = []
+    step = 0
+    for _ in range(steps.warmup):
+        losses += [float(v) for v in run_step(model, opt, recipe, make_batches(spec.size, step, steps.micro))]
+        step += 1
+    peak_from_build = torch.cuda.max_memory_allocated() - baseline
+    torch.cuda.reset_peak_memory_stats()
+    probes = []
+    for _ in range(steps.probe):
+        batches = make_batches(spec.size, step, steps.micro)
+        probe = Probe(model)
+        try:
+            with QuantizationCounter() as counter:
+                step_losses = run_step(model, opt, recipe, batches, probe)
+        finally:
+            probe.close()
+        losses += [float(v) for v in step_losses]
+        del batches
+        probes.append({**probe.figures(baseline), "quantizations": counter.count,
+                       "cached_workspaces": cached_workspaces(model)})
+        step += 1
+    peak = torch.cuda.max_memory_allocated() - baseline
+    times, timed_losses = timed_steps(model, opt, recipe, spec, steps, step)
+    return {**_mean_probes(probes), "probes": probes, "peak_mib": peak / MIB,
+            "peak_from_build_mib": peak_from_build / MIB, "step_time_s": dist.max_over_ranks(times),
+            "losses": losses + ([float(v) for v in torch.stack(timed_losses).tolist()] if timed_losses else [])}
+
+
+def timed_steps(model, opt, recipe, spec: ModelSpec, steps: Steps, first_step: int):
+    """``steps.timed`` steps, each between two synchronizations (data made
+    before the clock starts); this rank's seconds and the losses."""
+    times, losses = [], []
+    for i in range(steps.timed):
+        batches = make_batches(spec.size, first_step + i, steps.micro)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses += run_step(model, opt, recipe, batches)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def _mean_probes(probes: list[dict]) -> dict:
+    keys = ("fwd_kib_per_layer", "bwd_mib", "kept_after_bwd_mib", "fwd_total_mib", "after_step_mib")
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [p[key] for p in probes if p.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    out["quantizations_per_step"] = [p["quantizations"] for p in probes]
+    out["cached_workspaces_after_step"] = [p["cached_workspaces"] for p in probes]
+    return out
+
+
+def prime(recipes: list[str], dist) -> None:
+    """Build and step a small model per recipe, stock and drop-in, and
+    discard it: one-time allocations and kernel compilation then do not
+    land in the first measured model."""
+    size = SIZES["leak"]
+    for name in ["bf16", *recipes]:
+        for managed in ((False,) if name == "bf16" else (False, True)):
+            spec = ModelSpec(size=size, layers=2, recipe=name, managed=managed)
+            measure(spec, Steps(warmup=1, probe=1, timed=1), dist)

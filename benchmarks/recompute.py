@@ -1,0 +1,88 @@
+"""Activation recompute: ``te.checkpoint`` around every layer of the FSDP2
+stack, stock vs drop-in (and a bf16 baseline), memory and step time.
+
+    torchrun --nproc_per_node=2 -m benchmarks.recompute [--quick]
+
+``--modes`` picks TE's non-reentrant checkpoint (``use_reentrant=False``,
+the usual composition with FSDP2) and/or its default reentrant one. The
+figures are fsdp2_memory's: peak and after-step memory over the baseline,
+the per-layer forward increment (outputs kept across ``te.checkpoint``),
+the backward measures, quantizations per step (recompute passes included)
+and the median step time with its spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import _harness as h
+from ._runner import Job, gpu_main
+from ._stack import SIZES, ModelSpec, Steps, estimate_seconds, measure
+from .fsdp2_memory import _group, losses_row, memory_rows, quantization_row, timing_entries
+
+NAME = "recompute"
+MODES = ("nonreentrant", "reentrant")
+DEFAULTS = {
+    "recipes": (list(h.RECIPES), list(h.RECIPES)),
+    "sizes": (["leak", "realistic"], ["leak"]),
+    "steps": (10, 3),
+    "warmup": (3, 1),
+    "probes": (2, 1),
+    "modes": (list(MODES), ["nonreentrant"]),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = h.make_parser(NAME, __doc__)
+    p.add_argument("--modes", type=h.csv_choices(MODES), help="te.checkpoint modes: nonreentrant, reentrant")
+    p.add_argument("--probes", type=h.positive_int, help="memory-probe steps per model, after warm-up")
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return h.parse_args(parser(), argv, DEFAULTS)
+
+
+def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
+    steps = Steps(warmup=args.warmup, probe=args.probes, timed=args.steps)
+    specs: list[tuple[dict, ModelSpec]] = []
+    i = 0
+    for mode in args.modes:
+        for name in args.sizes:
+            size = SIZES[name]
+            layers = args.layers or size.layers
+            section = f"recompute-{mode}"
+            specs.append(({"section": section, "case": f"{name} {layers}L bf16 {mode}", "mode": mode},
+                          ModelSpec(size=size, layers=layers, checkpoint=mode)))
+            for recipe in args.recipes:
+                meta = {"section": section, "case": f"{name} {layers}L {recipe} {mode}", "mode": mode}
+                for managed in ((False, True) if i % 2 == 0 else (True, False)):
+                    specs.append((meta, ModelSpec(size=size, layers=layers, recipe=recipe, managed=managed,
+                                                  checkpoint=mode)))
+                i += 1
+    return [Job(label=spec.label(), meta=meta, spec=spec, run=lambda spec=spec: measure(spec, steps, dist),
+                estimate_s=estimate_seconds(spec, steps)) for meta, spec in specs]
+
+
+def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
+    cases, bf16 = _group(samples)
+    rows, timings = [], []
+    for (section, case), variants in cases.items():
+        if "stock" not in variants or "dropin" not in variants:
+            continue
+        st, dr = variants["stock"], variants["dropin"]
+        base = bf16.get((section, st["spec"]["size"], st["spec"]["layers"]))
+        rows += [losses_row(case, st, dr), *memory_rows(case, st, dr, base), quantization_row(case, st, dr),
+                 h.time_row(case, st["step_time_s"], dr["step_time_s"])]
+        timings += timing_entries(case, variants)
+    return {"rows": rows, "timings": timings}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return gpu_main(NAME, parse(argv), argv, plan, summarize)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Sharded quantized parameters keep only what their all-gather needs.
+
+Under FSDP2 a parameter built by ``quantized_model_init`` is a shard that no
+GEMM reads: only its all-gather does. For formats that can derive columnwise
+data (per-tensor FP8, 2D block FP8, 2D NVFP4), TE's hooks gather rowwise data
+alone and derive columnwise data after the gather, so the shard's columnwise
+copy (an FP8 transpose, or columnwise blocks) is one byte per parameter of
+memory and of optimizer writes that nothing reads. The policy's plan says
+what the shard keeps (``WorkspacePlan.parameter_keeps``); this module applies
+it after ``reset_parameters``, after loading a state dict, and after every
+optimizer step (optimizers rewrite the parameters).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from workspace_manager import Usage, WeightSource, WorkspaceContext, quantizer_capabilities, resolve_policy
+
+from . import _compat as te
+
+_TRACKED: weakref.WeakSet = weakref.WeakSet()
+_LOCK = threading.Lock()
+_HOOK: Any = None
+
+
+def trim_sharded_parameters(module: Any) -> int:
+    """Drop what the policy says the module's sharded quantized parameters
+    need not keep. Returns how many parameters were trimmed."""
+    sharding = module._te_wm_sharding()
+    if not sharding.is_fsdp2:
+        return 0
+    trimmed = 0
+    for param in module.parameters(recurse=False):
+        local = getattr(param, "_local_tensor", None)  # the shard of a DTensor parameter
+        if not isinstance(local, te.QuantizedTensorStorage):
+            continue
+        ctx = WorkspaceContext(capabilities=quantizer_capabilities(local._quantizer), sharding=sharding,
+                               weight=WeightSource.QUANTIZED_PARAM)
+        keeps = resolve_policy(ctx, module.workspace_policy).plan(ctx).parameter_keeps
+        if Usage.COLUMNWISE in keeps:
+            continue
+        # The shard's own quantizer decides what later quantizations of it
+        # (optimizer steps, checkpoint loads) write, and, with
+        # reshard_after_forward=False, what the forward gather derives.
+        local._quantizer.set_usage(rowwise=True, columnwise=False)
+        local.update_usage(rowwise_usage=True, columnwise_usage=False)
+        trimmed += 1
+    track(module)
+    return trimmed
+
+
+def track(module: Any) -> None:
+    """Trim ``module`` again after every optimizer step from now on."""
+    global _HOOK
+    with _LOCK:
+        _TRACKED.add(module)
+        if _HOOK is None:
+            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for module in list(_TRACKED):
+        trim_sharded_parameters(module)
