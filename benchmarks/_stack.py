@@ -48,6 +48,7 @@ SIZES = {
     "realistic": Size("realistic", hidden=4096, ffn=16384, heads=32, seq=2048, batch=1, layers=8),
 }
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model to build and train."""

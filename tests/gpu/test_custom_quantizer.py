@@ -21,14 +21,11 @@ built-in quantizers, and the custom GEMM needs every operand custom
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import two_rank_report
 
 # TE and torch.distributed warn freely (deprecations, experimental features); the
 # GPU tier checks numbers, not their warnings.
@@ -170,33 +167,12 @@ def test_unregistered_quantizer_fails_at_first_forward_naming_the_class(example,
 
 
 # -- (d) FSDP2 on two GPUs ------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp2_report(tmp_path_factory):
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     reason = _fp8_skip_reason()
     if reason:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("custom_fsdp2") / "report.json"
-    worker = Path(__file__).with_name("_custom_fsdp2.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(worker), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    if not out.exists():
-        pytest.fail(f"worker wrote no report (rc={result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
-    data = json.loads(out.read_text())
-    keep = os.environ.get("TE_WM_CUSTOM_FSDP2_REPORT")
-    if keep:
-        Path(keep).write_text(json.dumps(data, indent=1))
-    return data
+    return two_rank_report("_custom_fsdp2.py", tmp_path_factory.mktemp("custom_fsdp2"), keep_env="TE_WM_CUSTOM_FSDP2_REPORT")
 
 
 def _fsdp2_run(report, kind: str) -> dict:

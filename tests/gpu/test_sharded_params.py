@@ -9,15 +9,8 @@ distributed checkpoint saved by stock TE loads into the drop-in model and back.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from test_fsdp2 import _free_port
+from _launch import two_rank_report
 
 # TE and torch.distributed warn freely; the GPU tier checks numbers, not their warnings.
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
@@ -29,22 +22,7 @@ SAVING_MIB = 190
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    out = tmp_path_factory.mktemp("shards") / "report.json"
-    worker = Path(__file__).with_name("_sharded_params.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(worker), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ))
-    if not out.exists():
-        pytest.fail(f"worker wrote no report (rc={result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
-    data = json.loads(out.read_text())
-    keep = os.environ.get("TE_WM_SHARDS_REPORT")
-    if keep:
-        Path(keep).write_text(json.dumps(data, indent=1))
-    return data
+    return two_rank_report("_sharded_params.py", tmp_path_factory.mktemp("shards"), keep_env="TE_WM_SHARDS_REPORT")
 
 
 def _run(report, recipe, reshard):

@@ -1,0 +1,334 @@
+"""The benchmark harness on CPU: arguments, planning, summaries with their
+targets, JSON and Markdown output, plotting, and the CPU benchmark end to end.
+
+The GPU benchmarks themselves run on the device machine; here their pure
+parts (argument parsing, the planned configurations, the summary of raw
+samples) run on synthetic figures.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _harness as h  # noqa: E402
+from benchmarks import fsdp2_memory, microbatch, plot, policy_overhead, recompute, run_all, soak  # noqa: E402
+from benchmarks._stack import SIZES, auto_layers  # noqa: E402
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+
+
+# -- synthetic figures -------------------------------------------------------------
+def fake_measure(job, rnd: random.Random, *, peak_extra: float = 0.0, slow: float = 1.0) -> dict:
+    """What ``_stack.measure`` returns, with made-up but plausible figures."""
+    spec = job.spec
+    dropin = spec.variant == "dropin"
+    return {**job.meta, "spec": spec.as_dict(), "variant": spec.variant,
+            "peak_mib": 50.0 + 3 * spec.layers + (peak_extra if dropin else 0.0),
+            "after_step_mib": 40.0 + 2 * spec.layers,
+            "fwd_kib_per_layer": 516.5 if spec.variant == "bf16" else 454.5,
+            "bwd_mib": 2.5, "kept_after_bwd_mib": 6.0,
+            "step_time_s": [0.030 * (slow if dropin else 1.0) + 1e-4 * rnd.random() for _ in range(10)],
+            "losses": [1.0, 0.5, 0.25], "quantizations_per_step": [8 if dropin else 32],
+            "cached_workspaces_after_step": [0], "weight_numel": 2**20}
+
+
+def fsdp2_samples(**kw) -> tuple[object, list[dict]]:
+    args = fsdp2_memory.parse(["--quick"])
+    rnd = random.Random(0)
+    return args, [fake_measure(job, rnd, **kw) for job in fsdp2_memory.plan(args, None, 2, 141.0)]
+
+
+def result_with(name: str, args, summary: dict, samples: list[dict]) -> dict:
+    result = h.new_result(name, h.config_of(args))
+    result["samples"] = samples
+    result.update(summary)
+    result["wall_s"] = 1.0
+    return result
+
+
+# -- arguments -----------------------------------------------------------------------
+def test_quick_and_full_defaults_and_overrides():
+    quick = fsdp2_memory.parse(["--quick"])
+    assert quick.sizes == ["leak"] and quick.steps == 3 and quick.tag == "quick"
+    assert quick.recipes == list(h.RECIPES) and quick.inits == ["bf16", "qinit"]
+    full = fsdp2_memory.parse([])
+    assert full.sizes == ["leak", "realistic"] and full.steps >= 10 and full.depths == [2, 4, 8, 16]
+    assert full.out == h.DEFAULT_OUT and full.tag == ""
+    mine = fsdp2_memory.parse(["--quick", "--recipes", "Float8CurrentScaling", "--steps", "12", "--out", "/tmp/x"])
+    assert mine.recipes == ["Float8CurrentScaling"] and mine.steps == 12 and mine.out == Path("/tmp/x")
+    assert soak.parse([]).steps == 200 and soak.parse(["--quick"]).sizes == ["leak"]
+    assert microbatch.parse([]).microbatches == [4, 8]
+    assert recompute.parse(["--quick"]).modes == ["nonreentrant"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipes", "MXFP8BlockScaling"], "expected a comma-separated list of DelayedScaling"),
+    (["--steps", "0"], "expected a positive integer"),
+    (["--depths", "2,x"], "expected a positive integer"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        fsdp2_memory.parse(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_soak_warmup_must_be_shorter_than_the_run(capsys):
+    with pytest.raises(SystemExit):
+        soak.parse(["--steps", "5", "--warmup", "5"])
+    assert "must be smaller than --steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [fsdp2_memory, microbatch, recompute, soak])
+def test_gpu_benchmark_without_torchrun_says_how_to_launch(module, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--quick"])
+    name = module.__name__.split(".")[-1]
+    assert f"torchrun --nproc_per_node=2 -m benchmarks.{name} --quick" in str(info.value.code)
+    assert "source .te-bundle/setup.sh" in str(info.value.code)
+
+
+# -- planning (pure) -------------------------------------------------------------------
+def test_fsdp2_plan_covers_every_recipe_init_and_variant():
+    args = fsdp2_memory.parse([])
+    jobs = fsdp2_memory.plan(args, None, 2, 141.0)
+    sizes = [j for j in jobs if j.meta["section"] == "sizes"]
+    # per size: bf16 + 3 recipes x 2 inits x {stock, drop-in}
+    assert len(sizes) == 2 * (1 + 3 * 2 * 2)
+    realistic = {j.spec.layers for j in sizes if j.spec.size.name == "realistic"}
+    assert realistic == {auto_layers(SIZES["realistic"], 2, 100.0, 141.0, 64)}
+    pairs = {}
+    for j in sizes:
+        pairs.setdefault(j.meta["case"], []).append(j.spec.variant)
+    assert all(sorted(v) in (["dropin", "stock"], ["bf16"]) for v in pairs.values())
+    firsts = [v[0] for v in pairs.values() if len(v) == 2]
+    assert "stock" in firsts and "dropin" in firsts  # the order alternates
+    depth = [j for j in jobs if j.meta["section"] == "depth"]
+    assert {j.spec.layers for j in depth} == {2, 4, 16}  # 8 layers is already a sizes case
+    assert all(not j.spec.quantized_init for j in depth)
+    assert sum(j.estimate_s for j in jobs) < 400
+
+
+def test_auto_layers_fills_the_budget_with_margin():
+    big = auto_layers(SIZES["realistic"], 2, 100.0, 141.0, 64)
+    assert 20 <= big <= 64
+    assert auto_layers(SIZES["realistic"], 2, 100.0, 40.0, 64) < big  # at most 80% of a smaller GPU
+    assert auto_layers(SIZES["realistic"], 2, 100.0, 141.0, 8) == 8
+    assert auto_layers(SIZES["realistic"], 2, 1.0, 141.0, 64) == 1
+
+
+def test_other_plans():
+    mb = microbatch.plan(microbatch.parse(["--quick"]), None, 2, 141.0)
+    assert {j.meta["microbatches"] for j in mb} == {4, 8}
+    assert all(not j.spec.reshard_after_forward and j.spec.variant != "bf16" for j in mb)
+    rc = recompute.plan(recompute.parse([]), None, 2, 141.0)
+    assert {j.spec.checkpoint for j in rc} == {"nonreentrant", "reentrant"}
+    assert sum(j.spec.variant == "bf16" for j in rc) == 4  # per mode x size
+    sk = soak.plan(soak.parse([]), None, 2, 141.0)
+    assert {j.spec.size.name for j in sk} == {"realistic"} and len(sk) == 6
+
+
+# -- summaries and targets -----------------------------------------------------------
+def test_fsdp2_summary_checks_every_target():
+    args, samples = fsdp2_samples()
+    summary = fsdp2_memory.summarize(samples, args)
+    rows = summary["rows"]
+    metrics = {r["metric"] for r in rows}
+    assert {"peak allocated over baseline", "allocated after step over baseline", "forward increment per layer",
+            "median step time", "losses identical to stock", "peak growth per layer"} <= metrics
+    assert all(r["ok"] for r in rows if r["ok"] is not None)
+    fwd = next(r for r in rows if r["metric"] == "forward increment per layer")
+    assert fwd["target"].startswith("<= bf16 + 50 KiB") and fwd["bf16"] == 516.5
+    assert [s["id"] for s in summary["series"]] == ["depth_peak", "depth_after_step"]
+    labels = {line["label"] for line in summary["series"][0]["lines"]}
+    assert labels == {"bf16", "Float8CurrentScaling stock", "Float8CurrentScaling drop-in"}
+    assert {t["variant"] for t in summary["timings"]} == {"stock", "drop-in", "bf16"}
+
+
+def test_misses_are_flagged_and_explained_with_numbers():
+    args, samples = fsdp2_samples(peak_extra=0.5, slow=1.05)
+    rows = fsdp2_memory.summarize(samples, args)["rows"]
+    peak = next(r for r in rows if r["metric"] == "peak allocated over baseline")
+    assert peak["ok"] is False and peak["ratio"] > 1.0
+    text = h.explain_miss(peak)
+    assert "delta +0.5 MiB" in text and "ratio 1.0" in text
+    slow = next(r for r in rows if r["metric"] == "median step time")
+    assert slow["ok"] is False and "IQR" in slow["spread"] and "ms per step" in slow["note"]
+
+
+def test_ratio_and_time_rows():
+    assert h.ratio_row("c", "m", "MiB", 10.0, 10.0)["ok"] is True
+    assert h.ratio_row("c", "m", "MiB", 10.0, 10.001)["ok"] is False
+    strict = h.ratio_row("c", "m", "", 32, 32, limit=1.0, strict=True)
+    assert strict["ok"] is False and strict["target"] == "ratio < 1.00"
+    assert h.ratio_row("c", "m", "", 0.0, 0.0)["ratio"] is None
+    assert h.ratio_row("c", "m", "", 1.0, 2.0, limit=None)["ok"] is None
+    row = h.time_row("c", [0.010] * 3, [0.0101] * 3)
+    assert row["ok"] is True and "indicative" in row["note"]
+    assert h.bound_row("c", "m", "MiB", 1.0, 1.0, "< 1 MiB", strict=True)["ok"] is False
+
+
+def test_microbatch_summary_wants_fewer_quantizations_and_a_faster_step():
+    args = microbatch.parse(["--quick", "--recipes", "Float8CurrentScaling", "--microbatches", "4"])
+    rnd = random.Random(1)
+    samples = [fake_measure(j, rnd, slow=0.9) for j in microbatch.plan(args, None, 2, 141.0)]
+    summary = microbatch.summarize(samples, args)
+    by_metric = {r["metric"]: r for r in summary["rows"]}
+    assert by_metric["weight quantizations per step"]["ok"] is True
+    assert by_metric["median step time"]["ok"] is True and by_metric["median step time"]["target"] == "ratio < 1.00"
+    assert "FP8 workspace per weight" in by_metric["peak allocated over baseline"]["note"]
+    assert summary["bars"][0]["groups"] == {"stock": [32.0], "drop-in": [8.0]}
+
+
+def test_soak_flatness_needs_both_variants_under_1_mib():
+    args = soak.parse(["--quick", "--recipes", "Float8CurrentScaling"])
+    samples = []
+    for job in soak.plan(args, None, 2, 141.0):
+        grow = 0.1 if job.spec.variant == "dropin" else 0.0  # drop-in leaks 0.1 MiB a step
+        samples.append({**job.meta, "spec": job.spec.as_dict(), "variant": job.spec.variant,
+                        "allocated_after_step_mib": [100.0 + grow * i for i in range(args.steps)],
+                        "step_time_s": [0.03] * args.steps, "losses": [1.0] * args.steps, "peak_mib": 120.0})
+    summary = soak.summarize(samples, args)
+    flat = next(r for r in summary["rows"] if r["metric"].startswith("allocated after step: max - min"))
+    assert flat["ok"] is False and flat["stock"] == 0.0 and flat["dropin"] == pytest.approx(0.1 * (args.steps - 1 - args.warmup))
+    assert "drift per 100 steps" in flat["note"]
+    assert summary["series"][0]["mark_x"] == args.warmup and len(summary["series"][0]["lines"]) == 2
+
+
+# -- output ------------------------------------------------------------------------------
+def test_json_has_config_env_samples_and_summary(tmp_path):
+    args, samples = fsdp2_samples()
+    result = result_with("fsdp2_memory", args, fsdp2_memory.summarize(samples, args), samples)
+    json_path, md_path = h.write_result(result, tmp_path / "out", args.tag)
+    assert json_path.name == "fsdp2_memory-quick.json" and md_path.name == "fsdp2_memory-quick.md"
+    data = json.loads(json_path.read_text())
+    assert data["schema"] == h.SCHEMA and data["benchmark"] == "fsdp2_memory"
+    assert data["config"]["quick"] is True and data["config"]["recipes"] == list(h.RECIPES)
+    env = data["env"]
+    assert env["torch"] and env["python"] and env["commit"] and "gpus" in env and "te" in env
+    assert len(data["samples"]) == len(samples) and data["samples"][0]["step_time_s"]
+    assert data["summary"]["targets"] > 0 and data["summary"]["missed"] == 0
+    assert h.load_result(json_path)["rows"] == data["rows"]
+
+
+def test_json_never_holds_nan(tmp_path):
+    result = h.new_result("x", {"value": float("nan")})
+    result["samples"] = [{"inf": float("inf")}]
+    path, _ = h.write_result(result, tmp_path)
+    data = json.loads(path.read_text())
+    assert data["config"]["value"] is None and data["samples"][0]["inf"] is None
+
+
+def test_markdown_table_has_the_ratio_rows():
+    args, samples = fsdp2_samples(peak_extra=0.5)
+    result = result_with("fsdp2_memory", args, fsdp2_memory.summarize(samples, args), samples)
+    result["skipped"] = [{"what": "MXFP8BlockScaling", "why": "Device compute capability 10.0 or higher required"}]
+    md = h.render_markdown(result)
+    assert "| case | metric | stock | drop-in | bf16 | ratio drop-in/stock | target | met |" in md
+    assert "| leak 8L Float8CurrentScaling bf16 params | peak allocated over baseline (MiB) | 74 | 74.5 | 74 | 1.0068 |" in md
+    assert "## Missed targets" in md and "**NO**" in md
+    assert "## Skipped" in md and "compute capability 10.0" in md
+
+
+def test_progress_prints_elapsed_and_eta():
+    out = io.StringIO()
+    progress = h.Progress(4.0, stream=out, budget_s=1e9)
+    progress.start("first", 1.0)
+    progress.done("(ok)")
+    progress.start("second", 3.0)
+    progress.done()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[1] first ..."
+    assert "25%" in lines[1] and "elapsed 0:00" in lines[1] and "ETA 0:00" in lines[1] and "(ok)" in lines[1]
+    assert "100%" in lines[3]
+    assert not progress.over_budget() and h.Progress(1.0, budget_s=-1.0).over_budget()
+
+
+def test_statistics():
+    s = h.spread([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["median"] == 3.0 and s["q1"] == 2.0 and s["q3"] == 4.0 and s["iqr"] == 2.0 and s["max"] == 100.0
+    assert h.quantile([1.0, 2.0], 0.5) == 1.5
+    assert h.slope([2, 4, 8], [10.0, 14.0, 22.0]) == pytest.approx(2.0)
+    assert h.slope([8], [1.0]) is None
+
+
+def test_env_capture_without_git_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(h, "REPO_ROOT", tmp_path)  # not a git repository
+    monkeypatch.setenv("TE_WM_COMMIT", "abc123")
+    assert h.git_commit() == {"commit": "abc123", "dirty": None, "source": "TE_WM_COMMIT"}
+
+
+# -- plotting ------------------------------------------------------------------------------
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed here (it is not a CI dependency)")
+def test_plot_writes_pngs_for_a_tiny_synthetic_result(tmp_path):
+    args, samples = fsdp2_samples(peak_extra=0.5)
+    result = result_with("fsdp2_memory", args, fsdp2_memory.summarize(samples, args), samples)
+    json_path, _ = h.write_result(result, tmp_path, "synthetic")
+    assert plot.main([str(json_path), "--out", str(tmp_path / "png")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert "fsdp2_memory-synthetic_depth_peak.png" in pngs
+    assert "fsdp2_memory-synthetic_ratio_peak_allocated_over_baseline.png" in pngs
+    assert "fsdp2_memory-synthetic_step_times.png" in pngs
+    assert all((tmp_path / "png" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_plot_without_matplotlib_says_so_and_writes_nothing(tmp_path):
+    result = h.new_result("x", {})
+    json_path, _ = h.write_result(result, tmp_path)
+    code = ("import sys; sys.modules['matplotlib'] = None; from benchmarks import plot; "
+            f"sys.exit(plot.main([{str(json_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "matplotlib is not installed: no figures written" in done.stderr
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_rejects_a_missing_file(capsys):
+    with pytest.raises(SystemExit) as info:
+        plot.main(["/nonexistent/result.json"])
+    assert info.value.code == 2 and "no such result file" in capsys.readouterr().err
+
+
+# -- the CPU benchmark end to end, and the runner ------------------------------------------
+def test_policy_overhead_quick_end_to_end(tmp_path):
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.policy_overhead", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert time.perf_counter() - t0 < 60
+    data = json.loads((tmp_path / "policy_overhead-quick.json").read_text())
+    cases = {(s["case"], s["contexts"]) for s in data["samples"]}
+    assert ("no-op", "no recompute") in cases and ("select_policy(ctx).plan(ctx)", "recompute passes") in cases
+    assert ("resolve_policy(ctx).plan(ctx)", "no recompute") in cases
+    assert all(len(s["ns_per_call"]) == 5 and min(s["ns_per_call"]) > 0 for s in data["samples"])
+    md = (tmp_path / "policy_overhead-quick.md").read_text()
+    assert "| select_policy(ctx).plan(ctx) | no recompute |" in md and "minus no-op ns" in md
+
+
+def test_run_all_dry_run_lists_the_commands(capsys, tmp_path):
+    assert run_all.main(["--quick", "--dry-run", "--out", str(tmp_path), "--", "--recipes", "DelayedScaling"]) == 0
+    out = capsys.readouterr().out
+    assert "-m benchmarks.policy_overhead" in out
+    for name in ("fsdp2_memory", "microbatch", "recompute", "soak"):
+        assert f"-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
+    assert out.count("--time-budget") == 4 and out.count("--recipes DelayedScaling") == 4
