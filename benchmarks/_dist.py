@@ -47,7 +47,7 @@ def require_launch(name: str, argv: Sequence[str], *, ranks: int = 2) -> None:
 class Dist:
     """This rank, and the few collectives the benchmarks need."""
 
-    def __init__(self, timeout_s: float = 900.0) -> None:
+    def __init__(self, timeout_s: float = 300.0) -> None:
         import torch
         import torch.distributed as dist
 

@@ -73,6 +73,8 @@ def our_decisions(case: ref.TECase, plan: WorkspacePlan) -> dict[str, object]:
     }
     if ours["rebuild"]:
         ours["rebuild_usages"] = plan.backward_usage.label
+    if case.weight == "quantized_param":
+        ours["parameter_keeps"] = plan.parameter_keeps.label
     if case.weight == "high_precision":
         ours["forward_columnwise"] = Usage.COLUMNWISE in plan.forward_usage
     return ours
@@ -87,6 +89,11 @@ def te_decisions(case: ref.TECase, te: ref.TEDecision) -> dict[str, object]:
     }
     if te.backward_rebuild:
         out["rebuild_usages"] = te.rebuild_usages
+    if case.weight == "quantized_param":
+        # quantized_model_init quantizes parameters with both usages under grad
+        # (base.py:1848) and nothing drops them later, sharded or not
+        # (internals section 3, "FSDP2 hooks on parameters").
+        out["parameter_keeps"] = "rowwise+columnwise"
     if te.forward_columnwise is not None:
         out["forward_columnwise"] = te.forward_columnwise
     return out
@@ -162,6 +169,11 @@ DIFFERENCES: tuple[Difference, ...] = (
         "D8-backward-override-respected-in-rebuild",
         frozenset({"rebuild"}),
         lambda case, plan: _fsdp2(case) and _hp(case) and case.backward_override == "high_precision",
+    ),
+    Difference(
+        "D10-sharded-parameters-keep-what-their-gather-needs",
+        frozenset({"parameter_keeps"}),
+        lambda case, plan: _fsdp2(case),
     ),
     Difference(
         "D9-rebuild-quantizes-only-what-backward-reads",
