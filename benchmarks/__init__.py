@@ -8,8 +8,8 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 
 | module | runs on | measures |
 |---|---|---|
-| ``fsdp2_memory`` | 2 GPUs, FSDP2 | memory and step time, stock vs drop-in vs bf16, per recipe x init, plus a depth sweep |
-| ``microbatch`` | 2 GPUs, FSDP2 | ``reshard_after_forward=False`` with 4 and 8 microbatches: quantizations per step, step time |
+| ``fsdp2_memory`` | 2 GPUs, FSDP2 | memory, step time: stock/drop-in/bf16, recipe x init; depth sweep |
+| ``microbatch`` | 2 GPUs, FSDP2 | ``reshard_after_forward=False``, 4 and 8 microbatches: quantizations, time |
 | ``recompute`` | 2 GPUs, FSDP2 | ``te.checkpoint`` around every layer: memory and step time |
 | ``soak`` | 2 GPUs, FSDP2 | allocated memory after each of 200 steps: flat after warm-up |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |

@@ -3,8 +3,9 @@ one with progress and a time budget, errors recorded (one failing
 configuration does not hide the others), and rank 0 writing the result.
 
 A benchmark supplies ``plan(args, dist, world, total_gib) -> list[Job]``
-(pure: it only builds the jobs, so the CPU tests call it with ``dist=None``) and ``summarize(samples, args) -> dict`` with any of
-``rows``, ``series``, ``timings``, ``tables`` (pure as well).
+(pure: it only builds the jobs, so the CPU tests call it with
+``dist=None``) and ``summarize(samples, args) -> dict`` with any of
+``rows``, ``series``, ``timings``, ``tables``, ``bars`` (pure as well).
 """
 
 from __future__ import annotations

@@ -238,6 +238,8 @@ def _release(ctx) -> None:
 def install() -> None:
     """Put the seams into TE's module globals, once per process."""
     global _INSTALLED
+    if _INSTALLED:  # every managed forward asks; only the first one pays for the lock
+        return
     with _INSTALL_LOCK:
         if _INSTALLED:
             return
