@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -143,8 +144,8 @@ def git_commit() -> dict:
 
     commit = git("rev-parse", "HEAD")
     if commit is None:
-        return {"commit": os.environ.get("TE_WM_COMMIT", "unknown"), "dirty": None, "source": "TE_WM_COMMIT"
-                if "TE_WM_COMMIT" in os.environ else "none"}
+        given = os.environ.get("TE_WM_COMMIT")
+        return {"commit": given or "unknown", "dirty": None, "source": "TE_WM_COMMIT" if given else "none"}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None, "source": "git"}
 
@@ -298,9 +299,17 @@ def explain_miss(row: dict) -> str:
     if row["bf16"] is not None:
         parts.append(f"bf16 {fmt(row['bf16'])}{unit}")
     if row["ratio"] is not None:
-        parts.append(f"ratio {row['ratio']:.4f}")
+        parts.append(f"ratio {fmt_ratio(row['ratio'])}")
     text = ", ".join(parts) + f"; target {row['target']}."
     return text + (f" {row['note']}." if row["note"] else "")
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    """Four decimals; six where four would hide a difference from 1."""
+    if ratio is None:
+        return "-"
+    text = f"{ratio:.4f}"
+    return f"{ratio:.6f}" if text == "1.0000" and ratio != 1.0 else text
 
 
 def fmt(value: Any) -> str:
@@ -317,9 +326,16 @@ def new_result(name: str, config: dict) -> dict:
     ``timings``, ``bars``, ``tables``, ``skipped`` and ``errors``."""
     return {"schema": SCHEMA, "benchmark": name,
             "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
+            "command": command_line(name),
             "config": config, "env": capture_env(), "samples": [], "rows": [], "series": [], "timings": [],
             "bars": [], "tables": [], "skipped": [], "errors": [], "wall_s": None}
+
+
+def command_line(name: str) -> str:
+    """How this run was launched, as a command to repeat it."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 else "python3 -m"
+    return f"{launcher} benchmarks.{name} {shlex.join(sys.argv[1:])}".rstrip()
 
 
 def summary_counts(rows: Sequence[dict]) -> dict:
@@ -408,7 +424,7 @@ def rows_table(rows: Sequence[dict]) -> list[str]:
     for r in rows:
         metric = f"{r['metric']} ({r['unit']})" if r["unit"] else r["metric"]
         met = {True: "yes", False: "**NO**", None: "-"}[r["ok"]]
-        ratio = f"{r['ratio']:.4f}" if r["ratio"] is not None else "-"
+        ratio = fmt_ratio(r["ratio"])
         extra = "; ".join(t for t in (r["spread"], r["note"]) if t)
         body.append([r["case"], metric, fmt(r["stock"]), fmt(r["dropin"]), fmt(r["bf16"]), ratio,
                      r["target"] or "-", met, extra or ""])

@@ -87,8 +87,8 @@ def case_specs(section: str, size: Size, layers: int, recipes: Sequence[str],
 
 
 def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
-    """The sizes' cases, then the depth sweep (a depth model already
-    measured in the sizes' cases is not measured again)."""
+    """The sizes' cases, then the depth sweep (memory only; a depth model
+    already measured in the sizes' cases is not measured again)."""
     specs: list[tuple[dict, ModelSpec]] = []
     for name in args.sizes:
         size = SIZES[name]
@@ -99,9 +99,14 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
         for depth in args.depths:
             specs += [(m, s) for m, s in case_specs("depth", SIZES["leak"], depth, recipes, ["bf16"]) if s not in seen]
     steps = Steps(warmup=args.warmup, probe=args.probes, timed=args.steps)
-    return [Job(label=f"[{meta['section']}] {spec.label()}", meta=meta, spec=spec,
-                run=lambda spec=spec: measure(spec, steps, dist), estimate_s=estimate_seconds(spec, steps))
-            for meta, spec in specs]
+    depth_steps = Steps(warmup=args.warmup, probe=args.probes, timed=1)  # memory only: one timed step
+    jobs = []
+    for meta, spec in specs:
+        mine = steps if meta["section"] == "sizes" else depth_steps
+        jobs.append(Job(label=f"[{meta['section']}] {spec.label()}", meta=meta, spec=spec,
+                        run=lambda spec=spec, mine=mine: measure(spec, mine, dist),
+                        estimate_s=estimate_seconds(spec, mine)))
+    return jobs
 
 
 # -- summary (pure) ----------------------------------------------------------------

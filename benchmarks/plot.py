@@ -82,21 +82,35 @@ def ratio_figures(plt, result: dict, stem: str, out: Path) -> list[Path]:
 
 
 def series_figures(plt, result: dict, stem: str, out: Path) -> list[Path]:
+    """One line plot per series; a series with ``mark_x`` (the end of
+    warm-up) gets a second panel with only the points after it."""
     paths = []
     for series in result.get("series", []):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for line in series["lines"]:
-            marker = "o" if len(line["x"]) <= 32 else None
-            ax.plot(line["x"], line["y"], marker=marker, markersize=3, linewidth=1.2, label=line["label"])
-        if series.get("mark_x") is not None:
-            ax.axvline(series["mark_x"], color="black", linestyle=":", linewidth=1, label="end of warm-up")
-        ax.set_xlabel(series.get("xlabel", ""))
-        ax.set_ylabel(series.get("ylabel", ""))
-        ax.set_title(series.get("title", series["id"]), fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        mark = series.get("mark_x")
+        fig, axes = plt.subplots(1, 2 if mark is not None else 1, figsize=(13 if mark is not None else 8, 4.5),
+                                 squeeze=False)
+        _lines(axes[0][0], series, None)
+        if mark is not None:
+            axes[0][0].axvline(mark, color="black", linestyle=":", linewidth=1, label="end of warm-up")
+            _lines(axes[0][1], series, mark)
+            axes[0][1].set_title("after warm-up", fontsize=10)
+        axes[0][0].set_title(series.get("title", series["id"]), fontsize=10)
+        axes[0][0].legend(fontsize=7)
         paths.append(_save(plt, fig, out / f"{stem}_{slug(series['id'])}.png"))
     return paths
+
+
+def _lines(ax, series: dict, after: float | None) -> None:
+    for line in series["lines"]:
+        points = [(x, y) for x, y in zip(line["x"], line["y"]) if after is None or x > after]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o" if len(xs) <= 32 else None, markersize=3, linewidth=1.2, label=line["label"])
+    ax.set_xlabel(series.get("xlabel", ""))
+    ax.set_ylabel(series.get("ylabel", ""))
+    ax.grid(alpha=0.3)
+    ax.ticklabel_format(axis="y", useOffset=False)
 
 
 def timing_figure(plt, result: dict, stem: str, out: Path) -> list[Path]:

@@ -12,9 +12,12 @@ the median time per call over the repeats, with its spread:
 - ``select_policy(ctx).plan(ctx)``;
 - ``resolve_policy(ctx).plan(ctx)``: nothing pinned;
 - ``resolve_policy(ctx, pinned).plan(ctx)``: a pinned policy;
-- ``WorkspaceContext(...)`` + ``resolve_policy`` + ``plan``: the binding's
-  path per weight (``te_integration._call.ManagedCall.plan_weight``, less
-  the registry lookup).
+- ``WorkspaceContext(...)`` + ``resolve_policy`` + ``plan``: building the
+  context as the binding does, planned afresh;
+- ``resolve_policy`` + memoized plan, and the binding's path per weight:
+  ``WorkspaceContext(...)`` + ``resolve_policy`` + a plan memoized per
+  (policy, context) as ``te_integration._call._plan_for`` does
+  (``ManagedCall.plan_weight``, less the quantizer registry lookup).
 
 Each forward of a ``te.TransformerLayer`` plans 4 weights (QKV, projection,
 FC1, FC2); per step that is 4 x layers x microbatches calls (twice that
@@ -26,6 +29,7 @@ Needs neither CUDA nor TransformerEngine.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import sys
@@ -36,7 +40,7 @@ from typing import Any
 from . import _harness as h
 
 NAME = "policy_overhead"
-DEFAULTS = {"rounds": (20, 3), "repeats": (15, 5)}
+DEFAULTS = {"rounds": (10, 3), "repeats": (15, 5)}
 WEIGHTS_PER_LAYER = 4
 STEP_SHAPES = {"leak 8 layers": 8, "realistic 41 layers": 41}
 
@@ -76,12 +80,20 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
 
     from workspace_manager import WorkspaceContext, resolve_policy, select_policy
 
+    # The binding's memo (te_integration._call._plan_for, which needs TE to
+    # import): plans are pure functions of the frozen (policy, context).
+    memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
+
     def noop(item):
         return item
 
     def build_resolve_plan(kw):
         ctx = WorkspaceContext(**kw)
         return resolve_policy(ctx, None).plan(ctx)
+
+    def binding_path(kw):
+        ctx = WorkspaceContext(**kw)
+        return memo(resolve_policy(ctx, None), ctx)
 
     pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
     kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
@@ -92,6 +104,8 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         "resolve_policy(ctx, pinned).plan(ctx)": (lambda item: resolve_policy(item[0], item[1]).plan(item[0]),
                                                   pinned),
         "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
+        "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
+        "binding path: WorkspaceContext(...) + resolve_policy + memoized plan": (binding_path, kwargs),
     }
 
 

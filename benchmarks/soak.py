@@ -138,7 +138,7 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
         lines = [{"label": h.VARIANT_LABELS[v], "x": list(range(1, len(s["allocated_after_step_mib"]) + 1)),
                   "y": s["allocated_after_step_mib"]} for v, s in variants.items()]
         series.append({"id": f"soak_{_slug(case)}", "title": f"allocated after each step: {case}",
-                       "xlabel": "step", "ylabel": "MiB over baseline", "lines": lines, "mark_x": warmup})
+                       "xlabel": "step", "ylabel": "MiB over baseline", "lines": lines, "mark_x": warmup + 0.5})
         if "stock" in variants and "dropin" in variants:
             rows += case_rows(case, variants["stock"], variants["dropin"], warmup)
             timings += timing_entries(case, {v: {"step_time_s": s["step_time_s"][warmup:]}

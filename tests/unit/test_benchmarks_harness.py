@@ -213,7 +213,7 @@ def test_soak_flatness_needs_both_variants_under_1_mib():
     assert flat["ok"] is False and flat["stock"] == 0.0
     assert flat["dropin"] == pytest.approx(0.1 * (args.steps - 1 - args.warmup))
     assert "drift per 100 steps" in flat["note"]
-    assert summary["series"][0]["mark_x"] == args.warmup and len(summary["series"][0]["lines"]) == 2
+    assert summary["series"][0]["mark_x"] == args.warmup + 0.5 and len(summary["series"][0]["lines"]) == 2
 
 
 # -- output ------------------------------------------------------------------------------
@@ -322,6 +322,7 @@ def test_policy_overhead_quick_end_to_end(tmp_path):
     cases = {(s["case"], s["contexts"]) for s in data["samples"]}
     assert ("no-op", "no recompute") in cases and ("select_policy(ctx).plan(ctx)", "recompute passes") in cases
     assert ("resolve_policy(ctx).plan(ctx)", "no recompute") in cases
+    assert ("binding path: WorkspaceContext(...) + resolve_policy + memoized plan", "recompute passes") in cases
     assert all(len(s["ns_per_call"]) == 5 and min(s["ns_per_call"]) > 0 for s in data["samples"])
     md = (tmp_path / "policy_overhead-quick.md").read_text()
     assert "| select_policy(ctx).plan(ctx) | no recompute |" in md and "minus no-op ns" in md
