@@ -72,6 +72,8 @@ def _cache_note(ctx: WorkspaceContext, cache: CacheAction) -> str:
         return "distributed weight: no cached copy of the gathered weight"
     if ctx.microbatch is Microbatch.NONE:
         return "no microbatch position: not cached"
+    if ctx.grad_enabled and not ctx.capabilities.requantization_safe:
+        return f"{ctx.capabilities.name} does not requantize exactly: reusing would differ from TE, not cached"
     return "no backward to drop a cache after: not cached"
 
 

@@ -18,6 +18,7 @@ n; "row" and "col" are the rowwise and columnwise data)::
     (Release.DERIVED_COLUMNWISE); FSDP2 frees only what it allocated.
 
   FSDP2WorkspacePolicy, reshard_after_forward=False, with microbatches
+  (quantizers that requantize exactly; others as without microbatches)
     first F_i: FILL row+col ─► saved ─► reused by every later microbatch
     the step's last B_i done ─► cache dropped (Release.CACHED_WORKSPACE)
     without microbatches: as reshard_after_forward=True.
@@ -231,7 +232,8 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
     With ``reshard_after_forward=False`` and microbatch positions, the
     gathered weight stays between microbatches, so one workspace per weight
     is filled on the first microbatch, reused by the later ones, and
-    dropped after the step's last backward.
+    dropped after the step's last backward; only for quantizers that
+    requantize exactly, since stock TE quantizes every microbatch again.
     """
 
     shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
@@ -242,6 +244,12 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
             # Resharding frees the gathered weight after each forward; a
             # cached quantized copy would keep it alive per layer. Without
             # grad there is no backward to drop the cache after.
+            return CacheAction.BYPASS
+        if not ctx.capabilities.requantization_safe:
+            # TE quantizes every microbatch again under FSDP2; reusing the
+            # first one's workspace is the same only if quantizing again
+            # reproduces it (not with delayed scaling, whose scale moves
+            # after every forward).
             return CacheAction.BYPASS
         return _cache_by_microbatch(ctx)
 

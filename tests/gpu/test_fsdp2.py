@@ -90,6 +90,11 @@ def test_microbatches_reuse_workspaces_and_free_them_after_the_step(report, reci
     assert runs, report["errors"]
     r = runs[0]
     assert r["managed"]["losses"] == r["stock"]["losses"]
-    assert all(m < s for m, s in zip(r["managed"]["quantizations_per_step"], r["stock"]["quantizations_per_step"]))
+    pairs = list(zip(r["managed"]["quantizations_per_step"], r["stock"]["quantizations_per_step"]))
+    if recipe == "DelayedScaling":
+        # Not requantization-safe: the policy declines to cache (docs/decisions.md D4).
+        assert all(m == s for m, s in pairs), pairs
+    else:
+        assert all(m < s for m, s in pairs), pairs
     assert r["managed"]["cached_workspaces_after_step"] == [0, 0, 0]
     assert r["managed"]["after_step_mib"] <= r["stock"]["after_step_mib"]

@@ -13,10 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workspace_manager import (
-    Usage,
     BackwardOverride,
+    CacheAction,
     RecomputePass,
     Sharding,
+    Usage,
     WeightSource,
     select_policy,
 )
@@ -168,3 +169,12 @@ def test_sharded_quantized_parameters_keep_only_what_their_gather_needs(pair):
         assert keeps is Usage.ROWWISE
     else:
         assert keeps is Usage.BOTH
+
+
+@given(covering_policies(contexts(sharding=st.just(Sharding.FSDP2_KEEP))))
+def test_fsdp2_caches_only_what_requantizes_exactly(pair):
+    """Stock TE quantizes every microbatch again under FSDP2; a cached
+    workspace gives the same numbers only if requantizing is exact."""
+    policy, ctx = pair
+    if policy.plan(ctx).cache is not CacheAction.BYPASS:
+        assert ctx.capabilities.requantization_safe

@@ -1,0 +1,110 @@
+"""Step time of the leak-test stack, stock vs drop-in, trained in lockstep.
+
+``torchrun --nproc_per_node=2 tests/gpu/_lockstep_timing.py OUT.json``: for
+each sm_90 recipe (bf16 params and quantized_model_init), three models are
+built (stock, drop-in, stock again as the run-to-run control) and trained
+one step each in turn for 30 steps, so that clocks and load affect all
+three alike. Also times one managed and one stock ``Linear`` forward+backward
+per iteration on each rank (200 interleaved iterations; rank 0's are kept)
+to isolate per-call cost. Not yet run: the first attempt timed the modules
+on rank 0 alone and hung in DelayedScaling's amax reduction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _fsdp2_stack import _recipe, build  # noqa: E402
+from _sharded_params import lockstep  # noqa: E402
+
+import _sharded_params  # noqa: E402
+
+
+def stack_times(name: str, qinit: bool) -> dict:
+    recipe = _recipe(name)
+    _sharded_params.SIZE = (256, 1024, 8, 8)
+    _sharded_params.SEQ, _sharded_params.BATCH = 32, 2
+    models = {k: build(m, recipe, qinit) for k, m in (("stock", False), ("managed", True), ("stock_again", False))}
+    trace = lockstep(models, recipe, steps=30)
+    out = {"recipe": name, "quantized_init": qinit}
+    for label, (losses, times) in trace.items():
+        q1, med, q3 = statistics.quantiles([t * 1e3 for t in times[5:]], n=4)
+        out[label] = {"median_ms": med, "iqr_ms": q3 - q1, "losses_equal_stock": losses == trace["stock"][0]}
+    return out
+
+
+def module_times(name: str) -> dict:
+    import transformer_engine.pytorch as te
+
+    import te_integration as ti
+
+    recipe = _recipe(name)
+    torch.manual_seed(0)
+    mods = {"stock": te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
+            "managed": ti.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")}
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    samples = {k: [] for k in mods}
+    for i in range(220):
+        for label, m in mods.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with te.autocast(enabled=True, recipe=recipe):
+                y = m(x)
+            y.sum().backward()
+            torch.cuda.synchronize()
+            if i >= 20:
+                samples[label].append((time.perf_counter() - t0) * 1e6)
+    return {"recipe": name, **{k: statistics.median(v) for k, v in samples.items()}, "unit": "us per fwd+bwd",
+            "profile": _profile(mods["managed"], x, recipe)}
+
+
+def _profile(module, x, recipe) -> str:
+    """The managed call's Python hot spots (cumulative time, top entries)."""
+    import cProfile
+    import io
+    import pstats
+
+    import transformer_engine.pytorch as te
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        with te.autocast(enabled=True, recipe=recipe):
+            y = module(x)
+        y.sum().backward()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return buf.getvalue()[-6000:]
+
+
+def main() -> int:
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    report = {"stack": [], "module": []}
+    for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
+        for qinit in (False, True):
+            report["stack"].append(stack_times(name, qinit))
+        # Every rank times its own modules: DelayedScaling reduces amax over
+        # the default group at autocast exit, so one rank alone would hang.
+        timing = module_times(name)
+        if dist.get_rank() == 0:
+            report["module"].append(timing)
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
