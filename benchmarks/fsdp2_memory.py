@@ -211,8 +211,10 @@ def _slope_rows(slopes: dict) -> list[dict]:
     return rows
 
 
-def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
-    cases, bf16 = _group(samples)
+def comparison_rows(cases: dict, bf16: dict, *, timed) -> tuple[list[dict], list[dict]]:
+    """Rows and timing entries of every case measured both stock and
+    drop-in; ``timed(section)`` says whether that section's step times are
+    compared (shared by the FSDP2 and recompute benchmarks)."""
     rows, timings = [], []
     for (section, case), variants in cases.items():
         if "stock" not in variants or "dropin" not in variants:
@@ -220,9 +222,15 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
         st, dr = variants["stock"], variants["dropin"]
         base = bf16.get((section, st["spec"]["size"], st["spec"]["layers"]))
         rows += [losses_row(case, st, dr), *memory_rows(case, st, dr, base), quantization_row(case, st, dr)]
-        if section == "sizes":
+        if timed(section):
             rows.append(h.time_row(case, st["step_time_s"], dr["step_time_s"]))
             timings += timing_entries(case, {"stock": st, "dropin": dr})
+    return rows, timings
+
+
+def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
+    cases, bf16 = _group(samples)
+    rows, timings = comparison_rows(cases, bf16, timed=lambda section: section == "sizes")
     for (section, size, layers), s in bf16.items():
         if section == "sizes":
             timings += timing_entries(f"{size} {layers}L bf16", {"bf16": s})

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from . import _harness as h
 from ._runner import Job, gpu_main
 from ._stack import SIZES, ModelSpec, Steps, estimate_seconds, measure
-from .fsdp2_memory import _group, losses_row, memory_rows, quantization_row, timing_entries
+from .fsdp2_memory import _group, comparison_rows
 
 NAME = "recompute"
 MODES = ("nonreentrant", "reentrant")
@@ -68,15 +68,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
 
 def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
     cases, bf16 = _group(samples)
-    rows, timings = [], []
-    for (section, case), variants in cases.items():
-        if "stock" not in variants or "dropin" not in variants:
-            continue
-        st, dr = variants["stock"], variants["dropin"]
-        base = bf16.get((section, st["spec"]["size"], st["spec"]["layers"]))
-        rows += [losses_row(case, st, dr), *memory_rows(case, st, dr, base), quantization_row(case, st, dr),
-                 h.time_row(case, st["step_time_s"], dr["step_time_s"])]
-        timings += timing_entries(case, variants)
+    rows, timings = comparison_rows(cases, bf16, timed=lambda section: True)
     return {"rows": rows, "timings": timings}
 
 

@@ -200,6 +200,17 @@ def test_microbatch_summary_wants_fewer_quantizations_and_a_faster_step():
     assert summary["bars"][0]["groups"] == {"stock": [32.0], "drop-in": [8.0]}
 
 
+def test_recompute_summary_compares_every_case_including_step_time():
+    args = recompute.parse(["--quick", "--recipes", "Float8CurrentScaling"])
+    rnd = random.Random(2)
+    samples = [fake_measure(j, rnd, slow=1.2) for j in recompute.plan(args, None, 2, 141.0)]
+    rows = recompute.summarize(samples, args)["rows"]
+    cases = {r["case"] for r in rows}
+    assert cases and all(any(r["case"] == c and r["metric"] == "median step time" for r in rows) for c in cases)
+    times = [r for r in rows if r["metric"] == "median step time"]
+    assert times and all(r["ok"] is False for r in times)  # 20% slower misses <= 1.01
+
+
 def test_soak_flatness_needs_both_variants_under_1_mib():
     args = soak.parse(["--quick", "--recipes", "Float8CurrentScaling"])
     samples = []
