@@ -30,8 +30,6 @@ import _sharded_params  # noqa: E402
 
 def stack_times(name: str, qinit: bool) -> dict:
     recipe = _recipe(name)
-    _sharded_params.SIZE = (256, 1024, 8, 8)
-    _sharded_params.SEQ, _sharded_params.BATCH = 32, 2
     models = {k: build(m, recipe, qinit) for k, m in (("stock", False), ("managed", True), ("stock_again", False))}
     trace = lockstep(models, recipe, steps=30)
     out = {"recipe": name, "quantized_init": qinit}
@@ -87,10 +85,44 @@ def _profile(module, x, recipe) -> str:
     return buf.getvalue()[-6000:]
 
 
+def stack_profile(name: str) -> dict:
+    """cProfile of 10 training steps of each stack (both ranks run the same
+    sequence, so collectives pair up). The leak-test model is launch-bound,
+    so a step-time gap there is host time and shows up here."""
+    import cProfile
+    import io
+    import pstats
+
+    recipe = _recipe(name)
+    models = {k: build(m, recipe, False) for k, m in (("stock", False), ("managed", True))}
+    lockstep(models, recipe, steps=3)
+    out = {"recipe": name}
+    for label, model in models.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        lockstep({label: model}, recipe, steps=10)
+        prof.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        out[label] = {"total_s": stats.total_tt, "calls": stats.total_calls, "text": buf.getvalue()[-14000:]}
+    return out
+
+
 def main() -> int:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    report = {"stack": [], "module": []}
+    # The leak-test model: the batches lockstep() draws follow these sizes.
+    _sharded_params.SIZE = (256, 1024, 8, 8)
+    _sharded_params.SEQ, _sharded_params.BATCH = 32, 2
+    report = {"stack": [], "module": [], "stack_profile": []}
+    for name in ("DelayedScaling", "Float8CurrentScaling"):
+        prof = stack_profile(name)
+        if dist.get_rank() == 0:
+            report["stack_profile"].append(prof)
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
         for qinit in (False, True):
             report["stack"].append(stack_times(name, qinit))
@@ -99,6 +131,8 @@ def main() -> int:
         timing = module_times(name)
         if dist.get_rank() == 0:
             report["module"].append(timing)
+            with open(sys.argv[1], "w") as f:
+                json.dump(report, f, indent=1)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(report, f, indent=1)
