@@ -13,11 +13,11 @@ the median time per call over the repeats, with its spread:
 - ``resolve_policy(ctx).plan(ctx)``: nothing pinned;
 - ``resolve_policy(ctx, pinned).plan(ctx)``: a pinned policy;
 - ``WorkspaceContext(...)`` + ``resolve_policy`` + ``plan``: building the
-  context as the binding does, planned afresh;
-- ``resolve_policy`` + memoized plan, and the binding's path per weight:
-  ``WorkspaceContext(...)`` + ``resolve_policy`` + a plan memoized per
-  (policy, context) as ``te_integration._call._plan_for`` does
-  (``ManagedCall.plan_weight``, less the quantizer registry lookup).
+  context, planned afresh;
+- ``resolve_policy`` + a plan memoized per (policy, context);
+- the binding's path per weight: ``plan_call``, the context and plan
+  memoized per call shape (``ManagedCall.plan_weight``, less the quantizer
+  registry lookup).
 
 Each forward of a ``te.TransformerLayer`` plans 4 weights (QKV, projection,
 FC1, FC2); per step that is 4 x layers x microbatches calls (twice that
@@ -78,10 +78,9 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
     from dataclasses import fields
 
-    from workspace_manager import WorkspaceContext, resolve_policy, select_policy
+    from workspace_manager import WorkspaceContext, plan_call, resolve_policy, select_policy
 
-    # The binding's memo (te_integration._call._plan_for, which needs TE to
-    # import): plans are pure functions of the frozen (policy, context).
+    # A memo of plans alone, keyed by the frozen (policy, context).
     memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
 
     def noop(item):
@@ -91,12 +90,14 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         ctx = WorkspaceContext(**kw)
         return resolve_policy(ctx, None).plan(ctx)
 
-    def binding_path(kw):
-        ctx = WorkspaceContext(**kw)
-        return memo(resolve_policy(ctx, None), ctx)
+    def binding_path(args):
+        # What ManagedCall.plan_weight runs per weight, less the registry
+        # lookup: the context and plan memoized per call shape.
+        return plan_call(None, *args)
 
     pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
     kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
+    args = [tuple(kw.values()) for kw in kwargs]
     return {
         "no-op": (noop, ctxs),
         "select_policy(ctx).plan(ctx)": (lambda ctx: select_policy(ctx).plan(ctx), ctxs),
@@ -105,7 +106,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
                                                   pinned),
         "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
         "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
-        "binding path: WorkspaceContext(...) + resolve_policy + memoized plan": (binding_path, kwargs),
+        "binding path: plan_call (context and plan memoized per call shape)": (binding_path, args),
     }
 
 

@@ -13,7 +13,6 @@ threads); what it needs travels on the autograd ctx as a
 from __future__ import annotations
 
 import contextvars
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +24,9 @@ from workspace_manager import (
     RecomputePass,
     Release,
     WeightSource,
-    WorkspaceContext,
     WorkspacePlan,
+    plan_call,
     quantizer_capabilities,
-    resolve_policy,
 )
 
 from . import _compat as te
@@ -122,13 +120,6 @@ class ReleaseRecord:
         self.items = []
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan_for(policy: Any, ctx: WorkspaceContext) -> WorkspacePlan:
-    """Plans are pure functions of (policy, context), both frozen and
-    hashable, so each distinct call shape is planned once per process."""
-    return policy.plan(ctx)
-
-
 class ManagedCall:
     """The state of one managed module call, shared by the seams."""
 
@@ -162,17 +153,17 @@ class ManagedCall:
         """Describe the call to the policy and keep its plan for the other seams."""
         is_qp = isinstance(weight, te.QuantizedTensorStorage)
         source_quantizer = weight._quantizer if is_qp else quantizer
-        ctx = WorkspaceContext(
-            capabilities=quantizer_capabilities(source_quantizer),
-            sharding=self.module._te_wm_sharding(),
-            recompute=recompute,
-            grad_enabled=bool(grad),
-            input_requires_grad=bool(input_requires_grad),
-            weight=WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
-            microbatch=Microbatch.from_is_first_microbatch(is_first_microbatch),
-            backward_override=BackwardOverride.from_te(backward_override),
+        ctx, plan = plan_call(
+            self.module.workspace_policy,
+            quantizer_capabilities(source_quantizer),
+            self.module._te_wm_sharding(),
+            recompute,
+            bool(grad),
+            bool(input_requires_grad),
+            WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
+            Microbatch.from_is_first_microbatch(is_first_microbatch),
+            BackwardOverride.from_te(backward_override),
         )
-        plan = _plan_for(resolve_policy(ctx, self.module.workspace_policy), ctx)
         if is_qp and ctx.sharding.is_fsdp2:
             from ._shards import track
 

@@ -19,7 +19,15 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from workspace_manager import Usage, WeightSource, WorkspaceContext, quantizer_capabilities, resolve_policy
+from workspace_manager import (
+    BackwardOverride,
+    Microbatch,
+    RecomputePass,
+    Usage,
+    WeightSource,
+    plan_call,
+    quantizer_capabilities,
+)
 
 from . import _compat as te
 
@@ -39,9 +47,10 @@ def trim_sharded_parameters(module: Any) -> int:
         local = getattr(param, "_local_tensor", None)  # the shard of a DTensor parameter
         if not isinstance(local, te.QuantizedTensorStorage):
             continue
-        ctx = WorkspaceContext(capabilities=quantizer_capabilities(local._quantizer), sharding=sharding,
-                               weight=WeightSource.QUANTIZED_PARAM)
-        keeps = resolve_policy(ctx, module.workspace_policy).plan(ctx).parameter_keeps
+        _, plan = plan_call(module.workspace_policy, quantizer_capabilities(local._quantizer), sharding,
+                            RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
+                            BackwardOverride.NONE)
+        keeps = plan.parameter_keeps
         if Usage.COLUMNWISE in keeps:
             continue
         # The shard's own quantizer decides what later quantizations of it

@@ -34,6 +34,7 @@ from ._policy import (
     FSDP2WorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
+    plan_call,
     resolve_policy,
     select_policy,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "DistributedWeightWorkspacePolicy",
     "select_policy",
     "resolve_policy",
+    "plan_call",
     # detection
     "detect_fsdp2_sharding",
     # quantizer registry and TE profiles

@@ -41,14 +41,17 @@ Bindings cite this note by its title where they act on a plan.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ._context import (
     BackwardOverride,
     Microbatch,
+    QuantizerCapabilities,
     RecomputePass,
     Sharding,
+    WeightSource,
     WorkspaceContext,
 )
 from ._errors import ContextTypeError, PolicyMismatchError
@@ -453,6 +456,41 @@ def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None)
     if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
         return RecomputeWorkspacePolicy(inner=pinned)
     return pinned
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_call(
+    pinned: WorkspacePolicy | None,
+    capabilities: QuantizerCapabilities,
+    sharding: Sharding,
+    recompute: RecomputePass,
+    grad_enabled: bool,
+    input_requires_grad: bool,
+    weight: WeightSource,
+    microbatch: Microbatch,
+    backward_override: BackwardOverride,
+) -> tuple[WorkspaceContext, WorkspacePlan]:
+    """The context and plan of one module call, memoized per call shape.
+
+    Bindings call this on every weight of every call. Building and checking
+    a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
+    training step repeats a handful of shapes, so each shape is described
+    and planned once per process. Sound because contexts are built from
+    these arguments alone and policies are frozen and pure (a policy's plan
+    depends on nothing but the context). Errors are not memoized: a call
+    that fails fails again.
+    """
+    ctx = WorkspaceContext(
+        capabilities=capabilities,
+        sharding=sharding,
+        recompute=recompute,
+        grad_enabled=grad_enabled,
+        input_requires_grad=input_requires_grad,
+        weight=weight,
+        microbatch=microbatch,
+        backward_override=backward_override,
+    )
+    return ctx, resolve_policy(ctx, pinned).plan(ctx)
 
 
 def _assemble(

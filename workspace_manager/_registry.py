@@ -89,6 +89,10 @@ class QuantizerRegistry:
 
     def __init__(self, *, entry_point_group: str | None = None) -> None:
         self._entries: dict[str, _Entry] = {}
+        #: class -> its entry, found by the MRO walk. Bindings look up the
+        #: same few classes on every module call; any change of the entries
+        #: empties it.
+        self._by_class: dict[type, _Entry] = {}
         self.entry_point_group = entry_point_group
         self._plugins_pending = entry_point_group is not None
         self._plugins_loaded: list[str] = []
@@ -117,6 +121,7 @@ class QuantizerRegistry:
                     "Pass override=True to replace them."
                 )
             self._entries[key] = _Entry(key, capabilities, origin or self._origin)
+            self._by_class.clear()
 
     def unregister(self, quantizer: type | str) -> None:
         self.load_entry_points()
@@ -124,17 +129,25 @@ class QuantizerRegistry:
         if key not in self._entries:
             raise UnknownQuantizerError(f"Quantizer {key} is not registered; nothing to unregister.")
         del self._entries[key]
+        self._by_class.clear()
 
     def lookup(self, quantizer: Any) -> QuantizerCapabilities:
         """Capabilities of a quantizer instance (or class), walking its MRO."""
         self.load_entry_points()
         cls = quantizer if isinstance(quantizer, type) else type(quantizer)
+        entry = self._by_class.get(cls)
+        if entry is None:
+            entry = self._walk(cls)
+            self._by_class[cls] = entry
+        return _resolve(entry, quantizer)
+
+    def _walk(self, cls: type) -> _Entry:
         for base in cls.__mro__:
             if base is object:
                 continue
             entry = self._entries.get(qualified_name(base))
             if entry is not None:
-                return _resolve(entry, quantizer)
+                return entry
         raise UnknownQuantizerError(self._miss_message(cls))
 
     def __contains__(self, quantizer: object) -> bool:
@@ -216,6 +229,7 @@ class QuantizerRegistry:
                 )
         except BaseException:
             self._entries = snapshot
+            self._by_class.clear()
             raise
 
     @contextmanager

@@ -157,6 +157,7 @@ def test_unregistered_quantizer_fails_at_first_forward_naming_the_class(example,
     key = qualified_name(example.ExamplePerTensorFP8Quantizer)
     assert example.ExamplePerTensorFP8Quantizer in default_registry
     monkeypatch.setattr(default_registry, "_entries", {k: v for k, v in default_registry._entries.items() if k != key})
+    monkeypatch.setattr(default_registry, "_by_class", {})  # the lookup memo, emptied as unregister() does
     recipe = example.make_recipe()
     stock, managed = _build(False), _build(True)
     with te.autocast(enabled=True, recipe=recipe):

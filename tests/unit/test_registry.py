@@ -53,6 +53,24 @@ def test_a_subclass_entry_wins_over_its_base():
     assert reg.lookup(Child()) is other and reg.lookup(Base()) is CAPS
 
 
+def test_the_lookup_memo_follows_every_change_of_the_entries():
+    """Lookups are memoized per class; registering, overriding or removing
+    an entry after a lookup must still change what the next lookup says."""
+    reg = QuantizerRegistry()
+    other = QuantizerCapabilities(name="child", columnwise_derivable=False, derived_caches=False,
+                                  requantization_safe=False)
+    reg.register(Base, CAPS)
+    assert reg.lookup(Child()) is CAPS  # memoized: Child -> Base's entry
+    reg.register(Child, other)
+    assert reg.lookup(Child()) is other
+    reg.register(Child, CAPS, override=True)
+    assert reg.lookup(Child()) is CAPS
+    reg.unregister(Child)
+    reg.unregister(Base)
+    with pytest.raises(UnknownQuantizerError):
+        reg.lookup(Child())
+
+
 def test_unknown_quantizer_error_names_class_bases_registered_and_the_fix():
     reg = QuantizerRegistry()
     reg.register("some.module.Registered", CAPS)
