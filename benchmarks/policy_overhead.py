@@ -17,7 +17,9 @@ the median time per call over the repeats, with its spread:
 - ``resolve_policy`` + a plan memoized per (policy, context);
 - the binding's path per weight: ``plan_call``, the context and plan
   memoized per call shape (``ManagedCall.plan_weight``, less the quantizer
-  registry lookup).
+  registry lookup);
+- ``attribution off``: the check each seam makes while workspace recording
+  is off (against the no-op, it is what recording costs when not used).
 
 Each forward of a ``te.TransformerLayer`` plans 4 weights (QKV, projection,
 FC1, FC2); per step that is 4 x layers x microbatches calls (twice that
@@ -78,7 +80,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
     from dataclasses import fields
 
-    from workspace_manager import WorkspaceContext, plan_call, resolve_policy, select_policy
+    from workspace_manager import WorkspaceContext, WorkspaceLedger, plan_call, resolve_policy, select_policy
 
     # A memo of plans alone, keyed by the frozen (policy, context).
     memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
@@ -95,6 +97,14 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         # lookup: the context and plan memoized per call shape.
         return plan_call(None, *args)
 
+    ledger = WorkspaceLedger()  # recording off, as by default
+
+    def attribution_off(item):
+        # What each seam call adds while recording is off (issue 6).
+        if ledger.enabled:
+            raise AssertionError("recording is on")
+        return item
+
     pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
     kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
     args = [tuple(kw.values()) for kw in kwargs]
@@ -107,6 +117,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
         "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
         "binding path: plan_call (context and plan memoized per call shape)": (binding_path, args),
+        "attribution off: the seams' check per call": (attribution_off, ctxs),
     }
 
 

@@ -20,6 +20,7 @@ from ._modules import (
     managed_construction,
     set_workspace_policy,
 )
+from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "set_workspace_policy",
     "last_plans",
     "release_step_caches",
+    "workspace_report",
+    "record_workspaces",
+    "WorkspaceRecording",
     "UnsupportedTEError",
     "TE_VERSION",
     "SUPPORTED_TE",

@@ -19,6 +19,7 @@ import threading
 
 from workspace_manager import CacheAction, RecomputePass, Usage
 
+from . import _attribution
 from . import _compat as te
 from ._call import ACTIVE, ManagedCall, WeightSlot, passes_through, te_recompute_pass
 
@@ -36,6 +37,23 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     """
     call = ACTIVE.get()
     slot = call.slot_for(tensor) if call is not None else None
+    out, new = _quantize_weight(call, slot, tensor=tensor, quantizer=quantizer, workspace=workspace,
+                                update_workspace=update_workspace, skip_update_flag=skip_update_flag,
+                                fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
+    if _attribution.LEDGER.enabled and not isinstance(tensor, te.QuantizedTensorStorage):
+        if slot is None:  # a stock module: seen, not planned
+            _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace)
+        else:
+            _attribution.forward_workspace(call.module, slot.key, slot.plan, out,
+                                           from_cache=out is call.cached(slot.key))
+    return out, new
+
+
+managed_quantize_weight._te_wm_seam = True  # lets _compat tell our seam from a foreign patch
+
+
+def _quantize_weight(call, slot, *, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
+                     workspace_dtype, cache):
     if slot is None or slot.is_quantized_param:
         # Quantized parameters are never cached; TE only adds the usages
         # their own quantizer holds. Everything unplanned is stock TE.
@@ -60,9 +78,6 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         return out, None
     out, _ = te.quantize_weight(workspace=None, update_workspace=True, cache=False, **common)
     return out, None
-
-
-managed_quantize_weight._te_wm_seam = True  # lets _compat tell our seam from a foreign patch
 
 
 def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
@@ -99,7 +114,7 @@ class _Linear(te.LinearFunction):
             fp8=fwd_args.fp8, debug=fwd_args.debug, fsdp_group=fwd_args.fsdp_group,
             skip_update=fwd_args.skip_fp8_weight_update, cpu_offloading=fwd_args.cpu_offloading, weights=(weight,),
         ):
-            return te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args)
+            return _observed(ctx, None, te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args))
         slot = call.plan_weight(
             "weight", weight, fwd_args.weight_quantizer, grad=fwd_args.is_grad_enabled,
             input_requires_grad=fwd_args.input_requires_grad, is_first_microbatch=fwd_args.is_first_microbatch,
@@ -113,13 +128,11 @@ class _Linear(te.LinearFunction):
             if slot.no_backward_quantizer:
                 bwd.weight_quantizer = None
             ctx._te_wm_record = call.release_record([slot])
-        return out
+        return _observed(ctx, call.module, out)
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
-        result = te.LinearFunction.backward(ctx, grad_output, grad_workspace)
-        _release(ctx)
-        return result
+        return _backward(ctx, te.LinearFunction.backward, grad_output, grad_workspace)
 
 
 class _LayerNormLinear(te.LNLFunction):
@@ -130,7 +143,8 @@ class _LayerNormLinear(te.LNLFunction):
         call, a = _active("lnl"), te.LNL_ARGS
         nta = non_tensor_args
         if call is None or _passes_through_tuple(nta, a, (weight,)):
-            return te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
+            out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
+            return _observed(ctx, None, out)
         slot = call.plan_weight(
             "weight", weight, nta[a["weight_quantizer"]], grad=nta[a["is_grad_enabled"]],
             input_requires_grad=True, is_first_microbatch=nta[a["is_first_microbatch"]],
@@ -143,13 +157,11 @@ class _LayerNormLinear(te.LNLFunction):
             if slot.no_backward_quantizer:
                 ctx.weight_quantizer = None
             ctx._te_wm_record = call.release_record([slot])
-        return out
+        return _observed(ctx, call.module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        result = te.LNLFunction.backward(ctx, *grad_outputs)
-        _release(ctx)
-        return result
+        return _backward(ctx, te.LNLFunction.backward, *grad_outputs)
 
 
 class _LayerNormMLP(te.LNMLPFunction):
@@ -162,7 +174,8 @@ class _LayerNormMLP(te.LNMLPFunction):
         recompute = bool(nta[a["recompute_for_bwd"]])
         call = getattr(ctx, "_te_wm_call", None) if recompute else _active("lnmlp")
         if call is None or _passes_through_tuple(nta, a, (fc1_w, fc2_w)):
-            return te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            return out if recompute else _observed(ctx, None, out)
         slots = _plan_mlp(call, nta, fc1_w, fc2_w)
         nta = _replace_at(nta, a["is_fsdp2"], all(s.drops_workspace for s in slots))
         token = ACTIVE.set(call) if recompute else None  # backward thread: no context variable there
@@ -172,13 +185,12 @@ class _LayerNormMLP(te.LNMLPFunction):
             if token is not None:
                 ACTIVE.reset(token)
         _edit_mlp_ctx(ctx, call, slots, nta, recompute)
-        return out
+        return out if recompute else _observed(ctx, call.module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        result = te.LNMLPFunction.backward(ctx, *grad_outputs)
+        result = _backward(ctx, te.LNMLPFunction.backward, *grad_outputs)
         ctx._te_wm_call = None
-        _release(ctx)
         return result
 
 
@@ -233,6 +245,23 @@ def _release(ctx) -> None:
     ctx._te_wm_record = None
     if record is not None:
         record.release()
+
+
+def _backward(ctx, te_backward, *grads):
+    """TE's backward, then the plan's release; marked on a recording's timeline."""
+    _attribution.backward_mark(ctx, "start")
+    result = te_backward(ctx, *grads)
+    _release(ctx)
+    _attribution.backward_mark(ctx, "end")
+    return result
+
+
+def _observed(ctx, module, out):
+    """While recording, remember whose backward ``ctx`` is (stock modules
+    are named by the recording's forward hooks)."""
+    if ctx is not None and _attribution.LEDGER.enabled:
+        _attribution.tag(ctx, module if module is not None else _attribution.current_module())
+    return out
 
 
 def install() -> None:

@@ -28,6 +28,18 @@ from ._errors import (
     WorkspaceManagerError,
 )
 from ._fsdp2 import detect_fsdp2_sharding
+from ._ledger import (
+    Lifetime,
+    LiveWorkspace,
+    TimelinePoint,
+    WorkspaceKind,
+    WorkspaceLedger,
+    WorkspaceRecord,
+    WorkspaceReport,
+    buffers_of,
+    expected_lifetime,
+    workspace_kind,
+)
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 from ._policy import (
     DistributedWeightWorkspacePolicy,
@@ -73,6 +85,17 @@ __all__ = [
     "select_policy",
     "resolve_policy",
     "plan_call",
+    # attribution: who holds which quantized bytes, and why
+    "WorkspaceKind",
+    "Lifetime",
+    "WorkspaceRecord",
+    "LiveWorkspace",
+    "TimelinePoint",
+    "WorkspaceLedger",
+    "WorkspaceReport",
+    "workspace_kind",
+    "expected_lifetime",
+    "buffers_of",
     # detection
     "detect_fsdp2_sharding",
     # quantizer registry and TE profiles

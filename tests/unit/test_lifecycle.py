@@ -121,7 +121,10 @@ def test_state_machine_catches_a_broken_fsdp2_policy(monkeypatch, question, brok
         run_state_machine_as_test(
             WorkspaceLifecycleMachine,
             settings=settings(
-                max_examples=300, stateful_step_count=20, deadline=None, database=None, report_multiple_bugs=False,
+                # derandomize: the search is the same on every run, so whether
+                # it finds the bug does not depend on the random seed.
+                max_examples=300, stateful_step_count=20, deadline=None, database=None, derandomize=True,
+                report_multiple_bugs=False,
                 phases=[Phase.explicit, Phase.generate],
             ),
         )
