@@ -296,8 +296,13 @@ class Probe:
     hooks; recompute passes in backward are not recorded), after the step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.marks: list[int] = []
         self.points: dict[str, int] = {}
+        #: Live workspace bytes at each mark, and the leftovers after the
+        #: step, from te_integration.workspace_report (issue 6).
+        self.workspace: dict[str, int] = {}
+        self.leftovers: list[dict] = []
         self.recording = False
         self._hooks = [child.register_forward_hook(self._hook) for child in model.children()]
 
@@ -307,6 +312,12 @@ class Probe:
 
     def mark(self, name: str) -> None:
         self.points[name] = allocated()
+        import te_integration as ti
+
+        report = ti.workspace_report(self.model)
+        self.workspace[name] = report.total_bytes
+        if name == "after_step":
+            self.leftovers = [e.as_dict() for e in report.leftovers]
 
     def close(self) -> None:
         for h in self._hooks:
@@ -324,6 +335,10 @@ class Probe:
             "kept_after_bwd_mib": (p["post_bwd"] - p["pre_fwd"]) / MIB,
             "fwd_total_mib": (p["post_fwd"] - p["pre_fwd"]) / MIB,
             "after_step_mib": (p["after_step"] - baseline) / MIB,
+            "workspace_after_fwd_mib": self.workspace["post_fwd"] / MIB,
+            "workspace_after_step_mib": self.workspace["after_step"] / MIB,
+            "leftover_workspaces": len(self.leftovers),
+            "leftovers": self.leftovers,
         }
 
 
@@ -390,7 +405,7 @@ def _train(model, opt, spec: ModelSpec, steps: Steps, dist, baseline: int) -> di
         batches = make_batches(spec.size, step, steps.micro)
         probe = Probe(model)
         try:
-            with QuantizationCounter() as counter:
+            with QuantizationCounter() as counter, record_workspaces(model, timeline=False):
                 step_losses = run_step(model, opt, recipe, batches, probe)
         finally:
             probe.close()
@@ -420,14 +435,23 @@ def timed_steps(model, opt, recipe, spec: ModelSpec, steps: Steps, first_step: i
     return times, losses
 
 
+def record_workspaces(model: torch.nn.Module, timeline: bool = False):
+    """Workspace recording over the probe steps (never over timed steps)."""
+    import te_integration as ti
+
+    return ti.record_workspaces(model, timeline=timeline)
+
+
 def _mean_probes(probes: list[dict]) -> dict:
-    keys = ("fwd_kib_per_layer", "bwd_mib", "kept_after_bwd_mib", "fwd_total_mib", "after_step_mib")
+    keys = ("fwd_kib_per_layer", "bwd_mib", "kept_after_bwd_mib", "fwd_total_mib", "after_step_mib",
+            "workspace_after_fwd_mib", "workspace_after_step_mib")
     out: dict[str, Any] = {}
     for key in keys:
         values = [p[key] for p in probes if p.get(key) is not None]
         out[key] = sum(values) / len(values) if values else None
     out["quantizations_per_step"] = [p["quantizations"] for p in probes]
     out["cached_workspaces_after_step"] = [p["cached_workspaces"] for p in probes]
+    out["leftover_workspaces"] = [p.get("leftover_workspaces", 0) for p in probes]
     return out
 
 

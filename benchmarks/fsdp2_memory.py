@@ -159,6 +159,30 @@ def memory_rows(case: str, st: dict, dr: dict, base: dict | None) -> list[dict]:
     return rows
 
 
+def attribution_rows(case: str, st: dict, dr: dict, base: dict | None) -> list[dict]:
+    """Issue 6: from workspace_report at the probe marks. No workspace the
+    plan frees may be alive after the step; the forward allocation over
+    bf16 is split into live workspaces and the rest (activations)."""
+    if dr.get("workspace_after_fwd_mib") is None:
+        return []
+    left = dr.get("leftover_workspaces") or []
+    rows = [h.check_row(case, "workspaces the plan frees are gone after the step", not any(left),
+                        f"leftovers per probed step: {left}", target="0 after every probed step"),
+            h.ratio_row(case, "live workspaces after forward (workspace_report)", "MiB",
+                        st.get("workspace_after_fwd_mib"), dr["workspace_after_fwd_mib"], limit=None,
+                        bf16=(base or {}).get("workspace_after_fwd_mib"))]
+    if base is not None and base.get("fwd_total_mib") is not None:
+        def rest(v: dict) -> float | None:
+            if v.get("fwd_total_mib") is None or v.get("workspace_after_fwd_mib") is None:
+                return None
+            return v["fwd_total_mib"] - base["fwd_total_mib"] - v["workspace_after_fwd_mib"]
+
+        rows.append(h.ratio_row(case, "forward allocation over bf16, less live workspaces", "MiB", rest(st), rest(dr),
+                                limit=None, note="what the workspaces do not explain: saved activations "
+                                                 "in another format"))
+    return rows
+
+
 def quantization_row(case: str, st: dict, dr: dict, *, strict: bool = False, limit: float | None = None) -> dict:
     q_st, q_dr = h.mean(st.get("quantizations_per_step") or []), h.mean(dr.get("quantizations_per_step") or [])
     return h.ratio_row(case, "weight quantizations per step", "", q_st, q_dr, limit=limit, strict=strict)
@@ -221,7 +245,8 @@ def comparison_rows(cases: dict, bf16: dict, *, timed) -> tuple[list[dict], list
             continue
         st, dr = variants["stock"], variants["dropin"]
         base = bf16.get((section, st["spec"]["size"], st["spec"]["layers"]))
-        rows += [losses_row(case, st, dr), *memory_rows(case, st, dr, base), quantization_row(case, st, dr)]
+        rows += [losses_row(case, st, dr), *memory_rows(case, st, dr, base), quantization_row(case, st, dr),
+                 *attribution_rows(case, st, dr, base)]
         if timed(section):
             rows.append(h.time_row(case, st["step_time_s"], dr["step_time_s"]))
             timings += timing_entries(case, {"stock": st, "dropin": dr})

@@ -67,14 +67,16 @@ def _weight_name(module: Any, tensor: Any) -> str:
 
 
 # -- the seams' side (called only while LEDGER.enabled) ------------------------------
-def forward_workspace(module: Any, key: str | None, plan: Any, workspace: Any, *, from_cache: bool) -> None:
-    """A workspace ``quantize_weight`` returned. ``plan`` None: a stock module."""
+def forward_workspace(module: Any, key: str | None, plan: Any, workspace: Any, *, from_cache: bool,
+                      weight: Any = None) -> None:
+    """A workspace ``quantize_weight`` returned for ``weight``. ``plan``
+    None: a stock module (the one whose forward the recording's hooks saw start)."""
     owner = module if module is not None else _CURRENT.get()
     if owner is None or not isinstance(workspace, te.QuantizedTensorStorage):
         return
     if plan is None:
         kind = WorkspaceKind.CACHED if from_cache else WorkspaceKind.UNPLANNED
-        key = key or "weight"
+        key = key or _weight_name(owner, weight)
     else:
         kind = workspace_kind(plan, from_cache=from_cache)
     LEDGER.record(owner, _name(owner), key, kind, plan, workspace)

@@ -42,7 +42,8 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
                                 fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
     if _attribution.LEDGER.enabled and not isinstance(tensor, te.QuantizedTensorStorage):
         if slot is None:  # a stock module: seen, not planned
-            _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace)
+            _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
+                                           weight=tensor)
         else:
             _attribution.forward_workspace(call.module, slot.key, slot.plan, out,
                                            from_cache=out is call.cached(slot.key))

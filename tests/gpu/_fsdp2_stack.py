@@ -9,7 +9,9 @@ same data and records losses, the per-layer forward increment, the backward
 retained delta and peak memory, next to a bf16 baseline. A microbatch run
 (reshard_after_forward=False, 4 microbatches) counts quantizations. An
 evidence run lists, by allocation site, what stays allocated after backward
-that was not before it. Rank 0 writes everything to OUT.json.
+that was not before it. An attribution run (issue 6) records one step of
+each stack with ``record_workspaces`` and reports what is alive after it.
+Rank 0 writes everything to OUT.json.
 """
 
 from __future__ import annotations
@@ -215,6 +217,48 @@ def run_microbatches(name: str, micro: int = 4) -> dict:
     return result
 
 
+def _one_step(model, opt, recipe, step: int, micro: int) -> None:
+    import transformer_engine.pytorch as te
+
+    for m in range(micro):
+        x, target = data(step, m)
+        with te.autocast(enabled=True, recipe=recipe):
+            out = model(x, is_first_microbatch=(m == 0) if micro > 1 else None)
+        (F.mse_loss(out, target) / micro).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def attribution(name: str, quantized_init: bool, micro: int = 1) -> dict:
+    """Issue 6: three steps of each stack, each recorded and followed by a
+    report; the third step's timeline (a point at every TE module's forward
+    and backward boundary) and report are kept. Stock
+    modules are observed through the same seams, with no plan. ``micro`` > 1:
+    reshard_after_forward=False with that many microbatches."""
+    import te_integration as ti
+    import te_integration._seams as seams
+
+    seams.install()
+    recipe = _recipe(name)
+    result = {"recipe": name, "quantized_init": quantized_init, "microbatches": micro}
+    for label, managed in (("stock", False), ("managed", True)):
+        baseline = _allocated()
+        model = build(managed, recipe, quantized_init, reshard_after_forward=micro == 1)
+        opt = optimizer_for(model)
+        leftovers = []
+        for step in range(3):  # every step recorded; the last one's timeline kept
+            with ti.record_workspaces(model) as rec:
+                _one_step(model, opt, recipe, step, micro)
+            after = ti.workspace_report(model)
+            leftovers.append([e.as_dict() for e in after.leftovers])
+        result[label] = {"baseline": baseline, "timeline": rec.timeline_dicts(), "after_step": after.as_dict(),
+                         "after_step_table": after.table(), "leftovers_per_step": leftovers}
+        del model, opt, rec, after
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
 def retained_by_site(name: str, quantized_init: bool = False, managed: bool = False) -> dict:
     """What is allocated after backward that was not after forward, grouped by
     the innermost Python frames that allocated it (evidence for the bwd delta)."""
@@ -273,7 +317,7 @@ def main() -> int:
     quick = "--quick" in sys.argv
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    report = {"configs": [], "microbatches": [], "evidence": [], "errors": []}
+    report = {"configs": [], "microbatches": [], "evidence": [], "attribution": [], "errors": []}
     configs = [("bf16", False)] + [(r, q) for r in RECIPES for q in (False, True)]
     if quick:
         configs = configs[:3]
@@ -281,6 +325,12 @@ def main() -> int:
         _guard(report, f"config {name} qinit={qinit}", lambda: report["configs"].append(run_config(name, qinit)))
     for name in RECIPES[: 1 if quick else 3]:
         _guard(report, f"microbatches {name}", lambda: report["microbatches"].append(run_microbatches(name)))
+    for name, qinit in configs[1:]:
+        _guard(report, f"attribution {name} qinit={qinit}",
+               lambda: report["attribution"].append(attribution(name, qinit)))
+    for name in RECIPES[: 1 if quick else 3]:
+        _guard(report, f"attribution {name} microbatches",
+               lambda: report["attribution"].append(attribution(name, False, micro=4)))
     for name, managed in (("bf16", False), ("Float8CurrentScaling", False), ("Float8CurrentScaling", True)):
         _guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
     if dist.get_rank() == 0:

@@ -98,3 +98,50 @@ def test_microbatches_reuse_workspaces_and_free_them_after_the_step(report, reci
         assert all(m < s for m, s in pairs), pairs
     assert r["managed"]["cached_workspaces_after_step"] == [0, 0, 0]
     assert r["managed"]["after_step_mib"] <= r["stock"]["after_step_mib"]
+
+
+# -- workspace attribution (issue 6) -------------------------------------------------------
+ATTRIBUTION_KIB_PER_LAYER = 64
+
+
+def _attribution(report, recipe, qinit, micro=1):
+    for a in report["attribution"]:
+        if (a["recipe"], a["quantized_init"], a["microbatches"]) == (recipe, qinit, micro):
+            return a
+    pytest.fail(f"no attribution run for {recipe} qinit={qinit} microbatches={micro}; errors: {report['errors']}")
+
+
+ATTRIBUTION_CASES = [(r, q, 1) for r in RECIPES for q in (False, True)] + [(r, False, 4) for r in RECIPES]
+ATTRIBUTION_IDS = [f"{r}-{'qinit' if q else 'bf16'}-{m}mb" for r, q, m in ATTRIBUTION_CASES]
+
+
+@pytest.mark.parametrize("recipe, qinit, micro", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
+def test_report_after_a_step_lists_no_leftover_workspace(report, recipe, qinit, micro):
+    run = _attribution(report, recipe, qinit, micro)["managed"]
+    assert run["leftovers_per_step"] == [[], [], []], run["after_step_table"]
+    assert len(run["timeline"]) > 8 * 4, "the recording saw too few boundaries"
+
+
+@pytest.mark.parametrize("recipe, qinit, micro", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
+def test_reported_bytes_agree_with_allocated_memory(report, recipe, qinit, micro):
+    """At every forward/backward boundary of the recorded step, the
+    difference in live workspace bytes between stock and drop-in equals the
+    difference in ``torch.cuda.memory_allocated`` (each over what was
+    allocated before its model was built), within 64 KiB per layer."""
+    from benchmarks.timeline import disagreement
+
+    run = _attribution(report, recipe, qinit, micro)
+    stock, managed = run["stock"], run["managed"]
+    assert [p["label"] for p in stock["timeline"]] == [p["label"] for p in managed["timeline"]]
+    assert all(p["allocated_bytes"] is not None for p in stock["timeline"] + managed["timeline"])
+    worst = disagreement(run)
+    assert worst <= ATTRIBUTION_KIB_PER_LAYER * 1024 * 8, f"worst disagreement {worst / 1024:.1f} KiB"
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
+def test_microbatch_cache_is_attributed_and_gone_after_the_step(report, recipe):
+    """The cache the drop-in keeps for the step's microbatches shows in the
+    timeline as cached workspace bytes, and is gone after the step."""
+    run = _attribution(report, recipe, False, 4)["managed"]
+    assert max(p["total_bytes"] for p in run["timeline"]) > 0
+    assert run["after_step"]["by_kind"].get("cached", 0) == 0, run["after_step_table"]

@@ -347,3 +347,20 @@ def test_run_all_dry_run_lists_the_commands(capsys, tmp_path):
     for name in ("fsdp2_memory", "microbatch", "recompute", "soak"):
         assert f"-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
     assert out.count("--time-budget") == 4 and out.count("--recipes DelayedScaling") == 4
+
+
+# -- workspace attribution rows (issue 6) ------------------------------------------------------
+def _attrib(fwd_total, ws_fwd, leftovers):
+    return {"fwd_total_mib": fwd_total, "workspace_after_fwd_mib": ws_fwd, "leftover_workspaces": leftovers}
+
+
+def test_attribution_rows_check_leftovers_and_split_the_forward_allocation():
+    base = _attrib(10.0, 0.0, [0])
+    st, dr = _attrib(9.5, 0.25, [0, 0]), _attrib(9.5, 0.0, [0, 0])
+    ok, ws, rest = fsdp2_memory.attribution_rows("leak 8L x", st, dr, base)
+    assert ok["ok"] is True and ok["metric"] == "workspaces the plan frees are gone after the step"
+    assert (ws["stock"], ws["dropin"]) == (0.25, 0.0)
+    assert (rest["stock"], rest["dropin"]) == (-0.75, -0.5)
+    bad = fsdp2_memory.attribution_rows("leak 8L x", st, _attrib(9.5, 0.0, [0, 3]), base)[0]
+    assert bad["ok"] is False and "[0, 3]" in bad["note"]
+    assert fsdp2_memory.attribution_rows("x", st, {"fwd_total_mib": 1.0}, base) == []
