@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from workspace_manager import (
     Usage,
@@ -188,7 +189,7 @@ def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> Itera
     for fqn, module in te_modules(model):
         _NAMES[module] = fqn or type(module).__name__
     handles = [h for m in recording.modules for h in _hooks(m, recording)]
-    handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(
+    handles.append(register_optimizer_step_post_hook(
         lambda *_: (recording.mark("optimizer step", "step"), LEDGER.next_step())))
     _RECORDING, LEDGER.enabled = recording, True
     try:

@@ -133,6 +133,14 @@ def buffers_of(quantized: Any) -> dict[str, Any]:
     return {name: value for name, value in attrs.items() if type(value) in plain}
 
 
+def is_scale(name: str) -> bool:
+    """Scales and amaxes describe data; they may be shared with longer-lived
+    tensors (FSDP2 hands a shard's scale to the gathered parameter), so they
+    count only while data of their workspace is alive."""
+    lowered = name.lower()
+    return "scale" in lowered or "amax" in lowered
+
+
 def direction_of(name: str) -> Usage:
     """The direction a buffer serves, from its attribute name. Shared
     scales count as rowwise: they exist as long as any data does."""
@@ -196,6 +204,7 @@ class _Buffer:
     ref: Any  # a weak reference to the storage
     nbytes: int
     usage: Usage
+    is_data: bool
 
 
 @dataclass
@@ -205,13 +214,15 @@ class _Tracked:
     owner: Callable[[], Any] = lambda: None  # the module, weakly
 
     def live(self) -> tuple[Usage, int, list[int]]:
-        usage, nbytes, keys = Usage.NONE, 0, []
-        for key, buf in self.buffers.items():
-            if not buf.ref.expired():
-                usage |= buf.usage
-                nbytes += buf.nbytes
-                keys.append(key)
-        return usage, nbytes, keys
+        """What is alive: nothing once no data buffer is (scales alone do not
+        keep a workspace alive)."""
+        alive = [(k, b) for k, b in self.buffers.items() if not b.ref.expired()]
+        if not any(b.is_data for _, b in alive):
+            return Usage.NONE, 0, []
+        usage = Usage.NONE
+        for _, b in alive:
+            usage |= b.usage
+        return usage, sum(b.nbytes for _, b in alive), [k for k, _ in alive]
 
 
 class WorkspaceLedger:
@@ -242,17 +253,17 @@ class WorkspaceLedger:
         None when nothing new was recorded."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        wanted = [(direction_of(n), t) for n, t in buffers_of(quantized).items() if direction_of(n) & usage]
+        wanted = [(n, t) for n, t in buffers_of(quantized).items() if direction_of(n) & usage]
         with self._lock:
             self._prune()
             fresh: dict[int, _Buffer] = {}
-            for direction, tensor in wanted:
+            for name, tensor in wanted:
                 storage = tensor.untyped_storage()
                 key = storage._cdata
                 if key in self._by_storage or key in fresh or storage.nbytes() == 0:
                     continue
-                fresh[key] = _Buffer(StorageWeakRef(storage), storage.nbytes(), direction)
-            if not fresh:
+                fresh[key] = _Buffer(StorageWeakRef(storage), storage.nbytes(), direction_of(name), not is_scale(name))
+            if not any(b.is_data for b in fresh.values()):
                 return None
             record = WorkspaceRecord(
                 module=module, weight=weight, kind=kind, lifetime=expected_lifetime(kind, plan, sharded=sharded),
@@ -299,19 +310,19 @@ class WorkspaceLedger:
             self._tracked, self._by_storage, self.timeline = [], {}, []
 
     def _prune(self) -> None:
+        """Forget entries whose data is gone or whose module is gone, and
+        storages no longer alive (their addresses may be reused)."""
         kept = []
         for tracked in self._tracked:
-            alive = {k: b for k, b in tracked.buffers.items() if not b.ref.expired()}
-            for key in tracked.buffers.keys() - alive.keys():
-                self._by_storage.pop(key, None)
-            tracked.buffers = alive
-            if alive and tracked.owner() is not None:
+            _, _, alive = tracked.live()
+            keep = bool(alive) and tracked.owner() is not None
+            for key in tracked.buffers:
+                if not (keep and key in alive) and self._by_storage.get(key) is tracked:
+                    del self._by_storage[key]
+            if keep:
+                tracked.buffers = {k: tracked.buffers[k] for k in alive}
                 kept.append(tracked)
-            else:
-                for key in alive:
-                    self._by_storage.pop(key, None)
         self._tracked = kept
-
 
 _UNOWNED = object()
 

@@ -61,13 +61,12 @@ def module_times(name: str) -> dict:
             if i >= 20:
                 samples[label].append((time.perf_counter() - t0) * 1e6)
     return {"recipe": name, **{k: statistics.median(v) for k, v in samples.items()}, "unit": "us per fwd+bwd",
-            "profile": _profile(mods["managed"], x, recipe)}
+            "profile_diff": profile_diff(mods, x, recipe)}
 
 
-def _profile(module, x, recipe) -> str:
-    """The managed call's Python hot spots (cumulative time, top entries)."""
+def _profile(module, x, recipe) -> dict:
+    """cProfile of 50 forward+backward calls of ``module``: {function: (calls, tottime s)}."""
     import cProfile
-    import io
     import pstats
 
     import transformer_engine.pytorch as te
@@ -80,9 +79,22 @@ def _profile(module, x, recipe) -> str:
         y.sum().backward()
     torch.cuda.synchronize()
     prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    return buf.getvalue()[-6000:]
+    stats = pstats.Stats(prof).stats
+    return {f"{f[0].split('/')[-1]}:{f[1]}({f[2]})": (v[1], v[2]) for f, v in stats.items()}
+
+
+def profile_diff(mods: dict, x, recipe) -> list[dict]:
+    """Functions whose own time differs most between the managed and the stock
+    module, per call of the module (50 calls each, profiled one after the other)."""
+    stock, managed = _profile(mods["stock"], x, recipe), _profile(mods["managed"], x, recipe)
+    rows = []
+    for name in stock.keys() | managed.keys():
+        sc, st = stock.get(name, (0, 0.0))
+        mc, mt = managed.get(name, (0, 0.0))
+        rows.append({"function": name, "extra_calls_per_call": (mc - sc) / 50,
+                     "extra_us_per_call": (mt - st) / 50 * 1e6})
+    rows.sort(key=lambda r: -abs(r["extra_us_per_call"]))
+    return rows[:40]
 
 
 def stack_profile(name: str) -> dict:

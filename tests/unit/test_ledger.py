@@ -202,3 +202,35 @@ def test_report_table_and_dict_agree(q, weight):
     text = report.table()
     assert "layers.0.fc1" in text and "fc2_weight" in text and "0 leftover(s)" in text
     assert f"{report.total_bytes / 1024:.1f}" in text.splitlines()[-1]
+
+
+def test_a_shared_scale_does_not_keep_a_workspace_alive(q, weight):
+    """FSDP2 gives the gathered parameter the shard's scale: once the
+    gathered data is freed, the entry is gone although the scale lives on."""
+    ledger, owner = WorkspaceLedger(), Owner()
+    shard_scale = torch.ones(1)
+
+    class Gathered:
+        def __init__(self):
+            self._data = torch.empty(64 * 32, dtype=torch.uint8)
+            self._scale_inv = shard_scale
+
+    gathered = Gathered()
+    ledger.record(owner, "m", "weight", WorkspaceKind.GATHERED, _plan(), gathered, usage=Usage.ROWWISE)
+    assert ledger.live()[0].nbytes == 64 * 32 + 4
+    del gathered
+    assert ledger.live() == [] and shard_scale.numel() == 1
+    # A new workspace can then claim the scale's storage.
+    again = Gathered()
+    assert ledger.record(owner, "m", "weight", WorkspaceKind.GATHERED, _plan(), again) is not None
+    assert ledger.live()[0].nbytes == 64 * 32 + 4
+
+
+def test_scales_alone_are_not_recorded(q, weight):
+    ledger, owner = WorkspaceLedger(), Owner()
+
+    class OnlyScale:
+        def __init__(self):
+            self._scale_inv = torch.ones(1)
+
+    assert ledger.record(owner, "m", "weight", WorkspaceKind.CACHED, _plan(), OnlyScale()) is None

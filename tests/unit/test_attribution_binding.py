@@ -1,0 +1,187 @@
+"""te_integration's attribution layer on CPU, with a stand-in for TE.
+
+CI has no TE, and ``te_integration._compat`` is the binding's only TE
+import, so these tests give ``_attribution`` a stand-in ``_compat`` (TE's
+module classes and quantized-tensor base class) and drive it with toy
+modules that call the same hooks the seams call: a forward workspace made,
+saved on the autograd graph, and dropped in backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from workspace_manager import Lifetime, Sharding, WorkspaceContext, WorkspaceKind, select_policy
+from workspace_manager._profiles import FLOAT8_CURRENT_SCALING
+from workspace_manager.testing.reference import Float8PerTensorQuantizer, Float8PerTensorWeight
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _QuantizedTensorStorage:
+    """Stands for TE's QuantizedTensorStorage."""
+
+
+class _TELinear(torch.nn.Module):
+    """Stands for te.Linear (the recording hooks every instance)."""
+
+
+@dataclass(eq=False)
+class QWeight(Float8PerTensorWeight, _QuantizedTensorStorage):
+    """The reference quantizer's weight, seen as a TE quantized tensor."""
+
+
+@pytest.fixture
+def attribution(monkeypatch):
+    compat = types.ModuleType("te_integration._compat")
+    compat.QuantizedTensorStorage = _QuantizedTensorStorage
+    compat.TELinear = _TELinear
+    compat.TELayerNormLinear = type("_TELayerNormLinear", (torch.nn.Module,), {})
+    compat.TELayerNormMLP = type("_TELayerNormMLP", (torch.nn.Module,), {})
+    package = types.ModuleType("te_integration")
+    package.__path__ = [str(ROOT / "te_integration")]
+    monkeypatch.setitem(sys.modules, "te_integration", package)
+    monkeypatch.setitem(sys.modules, "te_integration._compat", compat)
+    spec = importlib.util.spec_from_file_location("te_integration._attribution", ROOT / "te_integration/_attribution.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan():
+    ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.NONE)
+    return select_policy(ctx).plan(ctx)
+
+
+class _Matmul(torch.autograd.Function):
+    """A GEMM that saves the quantized weight for backward, as TE's do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ws, attribution, owner):
+        ctx.ws, ctx.attribution = ws, attribution
+        if attribution.LEDGER.enabled:
+            attribution.tag(ctx, owner)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # As the seams do: mark, run TE's backward (which drops the saved
+        # workspace), mark again.
+        ctx.attribution.backward_mark(ctx, "start")
+        grad_x = _Matmul.te_backward(ctx, grad)
+        ctx.attribution.backward_mark(ctx, "end")
+        return grad_x, None, None, None, None
+
+    @staticmethod
+    def te_backward(ctx, grad):
+        ws, ctx.ws = ctx.ws, None
+        return grad @ (ws.columnwise.float().t() / ws.scale)
+
+
+class ToyLinear(_TELinear):
+    def __init__(self, attribution, *, managed: bool, leak: list | None = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 16, generator=torch.Generator().manual_seed(1)))
+        self.attribution, self.managed, self.leak = attribution, managed, leak
+        self._fp8_workspaces: dict = {}
+
+    def forward(self, x):
+        q = Float8PerTensorQuantizer().quantize(self.weight, rowwise=True, columnwise=True)
+        ws = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise, columnwise=q.columnwise)
+        if self.attribution.LEDGER.enabled:  # what the quantize_weight seam does
+            if self.managed:
+                self.attribution.forward_workspace(self, "weight", _plan(), ws, from_cache=False)
+            else:
+                self.attribution.forward_workspace(None, None, None, ws, from_cache=False, weight=self.weight)
+        if self.leak is not None:
+            self.leak.append(ws)
+        return _Matmul.apply(x, self.weight, ws, self.attribution, self if self.managed else None)
+
+
+WS_BYTES = 2 * 32 * 16 + 4  # rowwise + columnwise FP8 bytes and the float32 scale
+
+
+def _train_one_step(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).sum().backward()
+    opt.step()
+
+
+def test_a_recorded_step_has_a_point_at_every_boundary(attribution):
+    model = torch.nn.Sequential(ToyLinear(attribution, managed=True), torch.nn.Linear(32, 16),
+                                ToyLinear(attribution, managed=True))
+    with attribution.record_workspaces(model) as rec:
+        _train_one_step(model)
+    labels = [(p.label, p.module) for p in rec.timeline]
+    assert labels == [("forward start", "0"), ("forward end", "0"), ("forward start", "2"), ("forward end", "2"),
+                      ("backward start", "2"), ("backward end", "2"), ("backward start", "0"),
+                      ("backward end", "0"), ("optimizer step", "")]
+    totals = [p.total for p in rec.timeline]
+    # Each layer's workspace is saved for its backward and dropped there.
+    assert totals == [0, WS_BYTES, WS_BYTES, 2 * WS_BYTES, 2 * WS_BYTES, WS_BYTES, WS_BYTES, 0, 0]
+    assert rec.timeline[3].by_module == {"0": WS_BYTES, "2": WS_BYTES}
+    assert attribution.workspace_report(model).entries == ()
+
+
+def test_saved_workspaces_carry_their_plan_and_a_leak_is_a_leftover(attribution):
+    kept: list = []
+    model = torch.nn.Sequential(ToyLinear(attribution, managed=True, leak=kept))
+    with attribution.record_workspaces(model, timeline=False) as rec:
+        _train_one_step(model)
+    assert rec.timeline == []
+    report = attribution.workspace_report(model)
+    (left,) = report.leftovers
+    assert left.record.module == "0" and left.record.weight == "weight"
+    assert left.record.kind is WorkspaceKind.SAVED_FOR_BACKWARD and left.record.lifetime is Lifetime.BACKWARD
+    assert left.nbytes == WS_BYTES and "cache=" in left.record.decision
+    kept.clear()
+    assert attribution.workspace_report(model).leftovers == ()
+
+
+def test_stock_modules_are_observed_without_a_plan(attribution):
+    kept: list = []
+    model = torch.nn.Sequential(ToyLinear(attribution, managed=False, leak=kept))
+    with attribution.record_workspaces(model) as rec:
+        _train_one_step(model)
+    assert [p.total for p in rec.timeline][:2] == [0, WS_BYTES]
+    (entry,) = attribution.workspace_report(model).entries
+    assert entry.record.kind is WorkspaceKind.UNPLANNED and entry.record.lifetime is Lifetime.UNPLANNED
+    assert entry.record.weight == "weight" and not entry.leftover  # no plan, so nothing to hold it to
+
+
+def test_cached_workspaces_are_found_by_inspection_with_recording_off(attribution):
+    layer = ToyLinear(attribution, managed=True)
+    q = Float8PerTensorQuantizer().quantize(layer.weight, rowwise=True, columnwise=False)
+    layer._fp8_workspaces["weight"] = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise)
+    layer.__dict__["_te_wm_plans"] = {"weight": (None, _plan())}
+    model = torch.nn.Sequential(layer)
+    assert not attribution.LEDGER.enabled
+    (entry,) = attribution.workspace_report(model).entries
+    assert entry.record.kind is WorkspaceKind.CACHED and entry.nbytes == 32 * 16 + 4
+    assert entry.record.lifetime is Lifetime.KEPT
+    del layer._fp8_workspaces["weight"], q  # q held the same storages
+    gc.collect()
+    assert attribution.workspace_report(model).entries == ()
+
+
+def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
+    model = torch.nn.Sequential(ToyLinear(attribution, managed=True))
+    with attribution.record_workspaces(model):
+        assert attribution.LEDGER.enabled
+        with pytest.raises(RuntimeError, match="already active"):
+            with attribution.record_workspaces(model):
+                pass
+    assert not attribution.LEDGER.enabled
+    with attribution.record_workspaces(model) as rec:  # the hooks were removed: a new block starts clean
+        pass
+    assert rec.timeline == []
