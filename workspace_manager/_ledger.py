@@ -216,13 +216,28 @@ class _Tracked:
     def live(self) -> tuple[Usage, int, list[int]]:
         """What is alive: nothing once no data buffer is (scales alone do not
         keep a workspace alive)."""
-        alive = [(k, b) for k, b in self.buffers.items() if not b.ref.expired()]
-        if not any(b.is_data for _, b in alive):
+        alive = [(k, b, n) for k, b in self.buffers.items() if (n := _current_nbytes(b))]
+        if not any(b.is_data for _, b, _ in alive):
             return Usage.NONE, 0, []
         usage = Usage.NONE
-        for _, b in alive:
+        for _, b, _ in alive:
             usage |= b.usage
-        return usage, sum(b.nbytes for _, b in alive), [k for k, _ in alive]
+        return usage, sum(n for _, _, n in alive), [k for k, _, _ in alive]
+
+
+def _current_nbytes(buf: _Buffer) -> int:
+    """The storage's size now: 0 once it is freed, and also once it is
+    resized to nothing (how FSDP2 frees a gathered parameter while the
+    storage object lives on)."""
+    if buf.ref.expired():
+        return 0
+    import torch
+
+    revive = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
+    if revive is None:  # a torch without it: the size when recorded
+        return buf.nbytes
+    storage = revive(buf.ref.cdata)
+    return 0 if storage is None else storage.nbytes()
 
 
 class WorkspaceLedger:

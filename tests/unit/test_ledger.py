@@ -234,3 +234,18 @@ def test_scales_alone_are_not_recorded(q, weight):
             self._scale_inv = torch.ones(1)
 
     assert ledger.record(owner, "m", "weight", WorkspaceKind.CACHED, _plan(), OnlyScale()) is None
+
+
+def test_a_storage_resized_to_nothing_is_freed(q, weight):
+    """FSDP2 frees a gathered parameter by resizing its storage to 0 bytes
+    (the storage object lives on, to be refilled at the next gather)."""
+    ledger, owner = WorkspaceLedger(), Owner()
+    handle = q.quantize(weight, rowwise=True, columnwise=False)
+    ledger.record(owner, "m", "weight", WorkspaceKind.GATHERED, _plan(), handle, usage=Usage.ROWWISE)
+    storage = handle.rowwise.untyped_storage()
+    storage.resize_(0)
+    assert ledger.live() == []
+    storage.resize_(64 * 32)  # the next gather refills it: recorded again, as a new entry
+    assert ledger.live() == []
+    assert ledger.record(owner, "m", "weight", WorkspaceKind.GATHERED, _plan(), handle, usage=Usage.ROWWISE)
+    assert ledger.live()[0].nbytes == 64 * 32 + 4
