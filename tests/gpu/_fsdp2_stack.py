@@ -1,6 +1,6 @@
 """Two-rank FSDP2 worker: stock TE vs drop-in TransformerLayer stacks.
 
-Run as ``torchrun --nproc_per_node=2 tests/gpu/_fsdp2_stack.py OUT.json [--quick]``.
+Run as ``torchrun --nproc_per_node=2 tests/gpu/_fsdp2_stack.py OUT.json [--quick] [--attribution-only]``.
 For each sm_90 recipe x {bf16 params, quantized_model_init} it builds the
 8-layer stack of TE's FSDP2 leak tests (hidden 256, ffn 1024, 8 heads,
 fuse_qkv_params, bf16 params, fully_shard per layer and at the root) twice,
@@ -321,9 +321,10 @@ def main() -> int:
     configs = [("bf16", False)] + [(r, q) for r in RECIPES for q in (False, True)]
     if quick:
         configs = configs[:3]
-    for name, qinit in configs:
+    attribution_only = "--attribution-only" in sys.argv  # issue 6's runs alone (for the timeline figures)
+    for name, qinit in [] if attribution_only else configs:
         _guard(report, f"config {name} qinit={qinit}", lambda: report["configs"].append(run_config(name, qinit)))
-    for name in RECIPES[: 1 if quick else 3]:
+    for name in [] if attribution_only else RECIPES[: 1 if quick else 3]:
         _guard(report, f"microbatches {name}", lambda: report["microbatches"].append(run_microbatches(name)))
     for name, qinit in configs[1:]:
         _guard(report, f"attribution {name} qinit={qinit}",
@@ -331,7 +332,8 @@ def main() -> int:
     for name in RECIPES[: 1 if quick else 3]:
         _guard(report, f"attribution {name} microbatches",
                lambda: report["attribution"].append(attribution(name, False, micro=4)))
-    for name, managed in (("bf16", False), ("Float8CurrentScaling", False), ("Float8CurrentScaling", True)):
+    for name, managed in () if attribution_only else (("bf16", False), ("Float8CurrentScaling", False),
+                                                         ("Float8CurrentScaling", True)):
         _guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
