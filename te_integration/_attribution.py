@@ -25,11 +25,17 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from workspace_manager import (
+    BackwardOverride,
+    Microbatch,
+    RecomputePass,
     Usage,
+    WeightSource,
     WorkspaceKind,
     WorkspaceLedger,
     WorkspaceReport,
     detect_fsdp2_sharding,
+    plan_call,
+    quantizer_capabilities,
     workspace_kind,
 )
 
@@ -112,7 +118,7 @@ def inspect_module(module: Any) -> None:
         local = getattr(param, "_local_tensor", param)
         if not isinstance(local, te.QuantizedTensorStorage):
             continue
-        plan = _plan_of(module, pname)
+        plan = _plan_of(module, pname) or _parameter_plan(module, local)
         sharded = local is not param
         if sharded:
             LEDGER.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, local,
@@ -121,6 +127,17 @@ def inspect_module(module: Any) -> None:
         if _sharding(module).is_fsdp2:
             LEDGER.record(module, name, pname, WorkspaceKind.GATHERED, plan, local, usage=Usage.ROWWISE)
         LEDGER.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, local, usage=Usage.COLUMNWISE)
+
+
+def _parameter_plan(module: Any, local: Any) -> Any:
+    """A drop-in's plan for a training call on its quantized parameter, for
+    inspections made before the module's first forward (stock: None)."""
+    if not hasattr(module, "_te_wm_sharding"):
+        return None
+    _, plan = plan_call(module.workspace_policy, quantizer_capabilities(local._quantizer), module._te_wm_sharding(),
+                        RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
+                        BackwardOverride.NONE)
+    return plan
 
 
 def _sharding(module: Any) -> Any:

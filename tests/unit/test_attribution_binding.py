@@ -185,3 +185,33 @@ def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
     with attribution.record_workspaces(model) as rec:  # the hooks were removed: a new block starts clean
         pass
     assert rec.timeline == []
+
+
+def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
+    """A drop-in's quantized parameter: its columnwise copy is reported with
+    the plan the policy makes for it, even before the module's first forward."""
+    from workspace_manager import Usage, default_registry
+    from workspace_manager.testing.reference import REFERENCE_CAPABILITIES
+
+    default_registry.register(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, override=True)
+    try:
+        q = Float8PerTensorQuantizer()
+        w = q.quantize(torch.randn(32, 16), rowwise=True, columnwise=True)
+        param = QWeight(shape=w.shape, scale=w.scale, rowwise=w.rowwise, columnwise=w.columnwise)
+        param._quantizer = q
+
+        class DropIn(_TELinear):
+            workspace_policy = None
+
+            def _te_wm_sharding(self):
+                return Sharding.NONE
+
+            def named_parameters(self, *args, **kwargs):  # a quantized parameter, as quantized_model_init makes
+                yield "weight", param
+
+        (entry,) = attribution.workspace_report(torch.nn.Sequential(DropIn())).entries
+        assert entry.record.kind is WorkspaceKind.PARAMETER_COLUMNWISE and entry.usage is Usage.COLUMNWISE
+        assert entry.nbytes == 32 * 16 and entry.record.lifetime is Lifetime.KEPT
+        assert entry.record.decision.startswith("cache=bypass")
+    finally:
+        default_registry.unregister(Float8PerTensorQuantizer)
