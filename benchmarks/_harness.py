@@ -132,9 +132,10 @@ def config_of(args: argparse.Namespace, **extra: Any) -> dict:
 
 # -- environment ---------------------------------------------------------------
 def git_commit() -> dict:
-    """The commit and whether tracked files differ from it. Where git or the
-    repository is missing (the device machine gets a copy of the working tree
-    without .git), ``TE_WM_COMMIT`` is used if set, else ``"unknown"``."""
+    """The commit and whether tracked files differ from it. ``TE_WM_COMMIT``,
+    if set, wins: the device machine's copy of the working tree may carry a
+    ``.git`` that is not the checkout's (run 2026-11-30 read an older HEAD
+    there). Without it and without git: ``"unknown"``."""
     def git(*cmd: str) -> str | None:
         try:
             out = subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
@@ -142,10 +143,12 @@ def git_commit() -> dict:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    given = os.environ.get("TE_WM_COMMIT")
+    if given:
+        return {"commit": given, "dirty": None, "source": "TE_WM_COMMIT"}
     commit = git("rev-parse", "HEAD")
     if commit is None:
-        given = os.environ.get("TE_WM_COMMIT")
-        return {"commit": given or "unknown", "dirty": None, "source": "TE_WM_COMMIT" if given else "none"}
+        return {"commit": "unknown", "dirty": None, "source": "none"}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None, "source": "git"}
 

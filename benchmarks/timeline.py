@@ -101,10 +101,12 @@ def plot_run(plt, run: dict, out: Path) -> Path:
         stacks = [[per_layer(p).get(layer, 0) / MIB for p in points] for layer in layers]
         if stacks:
             ax.stackplot(range(len(points)), *stacks, labels=[f"layer {k}" for k in layers])
+            ax.legend(loc="upper right", fontsize="small", ncol=4)
+        else:
+            ax.text(0.5, 0.5, "no workspace alive at any boundary", transform=ax.transAxes, ha="center")
         ax.set_ylabel(f"{'stock TE' if label == 'stock' else 'drop-in'}: MiB per layer")
         _shade_backward(ax, points)
     _shade_backward(axes[0], run["managed"]["timeline"])
-    axes[1].legend(loc="upper right", fontsize="small", ncol=4)
     axes[2].set_xlabel("forward and backward boundaries of TE modules, in order (shaded: backward)")
     fig.suptitle(f"Live quantized weight bytes through one step: {case_name(run)}")
     path = out / f"timeline_{case_name(run)}.png"
@@ -114,10 +116,23 @@ def plot_run(plt, run: dict, out: Path) -> Path:
     return path
 
 
+def backward_spans(points: list[dict]) -> list[tuple[int, int]]:
+    """(first, last) index of each run of backward points: microbatches
+    alternate forward and backward, so there is one run per microbatch."""
+    spans: list[tuple[int, int]] = []
+    for i, p in enumerate(points):
+        if p["phase"] != "backward":
+            continue
+        if spans and spans[-1][1] == i - 1:
+            spans[-1] = (spans[-1][0], i)
+        else:
+            spans.append((i, i))
+    return spans
+
+
 def _shade_backward(ax, points: list[dict]) -> None:
-    backward = [i for i, p in enumerate(points) if p["phase"] == "backward"]
-    if backward:
-        ax.axvspan(backward[0], backward[-1], color="#e0e0e0", alpha=0.5, zorder=0)
+    for first, last in backward_spans(points):
+        ax.axvspan(first, last, color="#e0e0e0", alpha=0.5, zorder=0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -364,3 +364,11 @@ def test_attribution_rows_check_leftovers_and_split_the_forward_allocation():
     bad = fsdp2_memory.attribution_rows("leak 8L x", st, _attrib(9.5, 0.0, [0, 3]), base)[0]
     assert bad["ok"] is False and "[0, 3]" in bad["note"]
     assert fsdp2_memory.attribution_rows("x", st, {"fwd_total_mib": 1.0}, base) == []
+
+
+def test_env_commit_wins_over_git(monkeypatch):
+    """The device machine's copy may carry a stale .git; TE_WM_COMMIT names the real commit."""
+    monkeypatch.setenv("TE_WM_COMMIT", "c0ffee")
+    assert h.git_commit()["commit"] == "c0ffee"
+    monkeypatch.delenv("TE_WM_COMMIT")
+    assert h.git_commit()["source"] == "git"

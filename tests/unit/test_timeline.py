@@ -80,3 +80,9 @@ def test_png_when_matplotlib_is_installed(tmp_path):
     assert tl.main([str(path)]) == 0
     png = tmp_path / "timeline_Float8CurrentScaling_qinit_1mb.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backward_spans_follow_microbatches():
+    phases = ["forward", "forward", "backward", "backward", "forward", "backward", "step"]
+    points = [_point(str(i), ph, {}, None) for i, ph in enumerate(phases)]
+    assert tl.backward_spans(points) == [(2, 3), (5, 5)]
