@@ -61,7 +61,9 @@ def _short(sample: dict) -> str:
     if sample.get("peak_mib") is not None:
         parts.append(f"peak {sample['peak_mib']:.1f} MiB")
     times = sample.get("step_time_s") or []
-    if times:
+    if isinstance(times, dict):  # paired timing: one series per model
+        parts += [f"{label} {1e3 * h.spread(t)['median']:.2f} ms" for label, t in times.items() if t]
+    elif times:
         parts.append(f"median step {1e3 * h.spread(times)['median']:.2f} ms")
     return "(" + ", ".join(parts) + ")" if parts else ""
 

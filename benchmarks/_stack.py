@@ -464,3 +464,33 @@ def prime(recipes: list[str], dist) -> None:
         for managed in ((False,) if name == "bf16" else (False, True)):
             spec = ModelSpec(size=size, layers=2, recipe=name, managed=managed)
             measure(spec, Steps(warmup=1, probe=1, timed=1), dist)
+
+
+def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
+    """Build every model of ``specs`` ({label: spec}) and train them in turn,
+    one step each: ``steps.warmup`` untimed rounds, then ``steps.timed``
+    timed ones. Each step is timed between two synchronizations and reported
+    as the slowest rank's. Drift in clocks or load then hits every model alike."""
+    release_memory()
+    models = {label: build(spec) for label, spec in specs.items()}
+    opts = {label: optimizer_for(model) for label, model in models.items()}
+    recipes = {label: make_recipe(spec.recipe) for label, spec in specs.items()}
+    size = next(iter(specs.values())).size
+    times: dict[str, list[float]] = {label: [] for label in specs}
+    losses: dict[str, list[float]] = {label: [] for label in specs}
+    try:
+        for step in range(steps.warmup + steps.timed):
+            batches = make_batches(size, step, steps.micro)
+            for label, model in models.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step_losses = run_step(model, opts[label], recipes[label], batches)
+                torch.cuda.synchronize()
+                if step >= steps.warmup:
+                    times[label].append(time.perf_counter() - t0)
+                losses[label] += [float(v) for v in step_losses]
+        return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses,
+                "specs": {label: spec.as_dict() for label, spec in specs.items()}}
+    finally:
+        del models, opts
+        release_memory()

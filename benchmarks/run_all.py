@@ -2,8 +2,9 @@
 
     python -m benchmarks.run_all [--quick] [--out DIR] [--budget SECONDS] [--archive FILE.tar.gz]
 
-Runs ``policy_overhead`` (CPU), then ``fsdp2_memory``, ``microbatch``,
-``recompute`` and ``soak``, each through ``torchrun --nproc_per_node=2``.
+Runs ``policy_overhead`` (CPU), then ``step_time``, ``fsdp2_memory``,
+``microbatch``, ``recompute`` and ``soak``, each through
+``torchrun --nproc_per_node=2``.
 Each benchmark gets a share of what is left of ``--budget`` (passed as its
 ``--time-budget``: configurations that no longer fit are recorded as
 skipped) and is killed 120 s after its share. Output goes to the terminal
@@ -34,10 +35,11 @@ from ._dist import SAFE_ENV
 #: name -> (share of the budget, runs under torchrun)
 BENCHMARKS = {
     "policy_overhead": (0.03, False),
-    "fsdp2_memory": (0.38, True),
-    "microbatch": (0.25, True),
-    "recompute": (0.15, True),
-    "soak": (0.19, True),
+    "step_time": (0.15, True),
+    "fsdp2_memory": (0.33, True),
+    "microbatch": (0.20, True),
+    "recompute": (0.12, True),
+    "soak": (0.17, True),
 }
 STARTUP_S = 30.0  # python, torch, TE and NCCL start-up, outside a benchmark's own budget
 GRACE_S = 120.0

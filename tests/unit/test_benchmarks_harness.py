@@ -23,7 +23,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _harness as h  # noqa: E402
-from benchmarks import fsdp2_memory, microbatch, plot, policy_overhead, recompute, run_all, soak  # noqa: E402
+from benchmarks import (  # noqa: E402
+    fsdp2_memory,
+    microbatch,
+    plot,
+    policy_overhead,
+    recompute,
+    run_all,
+    soak,
+    step_time,
+)
 from benchmarks._stack import SIZES, auto_layers  # noqa: E402
 
 try:
@@ -344,9 +353,9 @@ def test_run_all_dry_run_lists_the_commands(capsys, tmp_path):
     assert run_all.main(["--quick", "--dry-run", "--out", str(tmp_path), "--", "--recipes", "DelayedScaling"]) == 0
     out = capsys.readouterr().out
     assert "-m benchmarks.policy_overhead" in out
-    for name in ("fsdp2_memory", "microbatch", "recompute", "soak"):
+    for name in ("step_time", "fsdp2_memory", "microbatch", "recompute", "soak"):
         assert f"-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
-    assert out.count("--time-budget") == 4 and out.count("--recipes DelayedScaling") == 4
+    assert out.count("--time-budget") == 5 and out.count("--recipes DelayedScaling") == 5
 
 
 # -- workspace attribution rows (issue 6) ------------------------------------------------------
@@ -372,3 +381,45 @@ def test_env_commit_wins_over_git(monkeypatch):
     assert h.git_commit()["commit"] == "c0ffee"
     monkeypatch.delenv("TE_WM_COMMIT")
     assert h.git_commit()["source"] == "git"
+
+
+# -- paired step time -------------------------------------------------------------------------
+def _paired_sample(case, stock_ms, dropin_ms, again_ms, *, same_losses=True):
+    losses = [1.0, 0.5]
+    return {"case": case, "init": "bf16",
+            "step_time_s": {"stock": [t / 1e3 for t in stock_ms], "dropin": [t / 1e3 for t in dropin_ms],
+                            "stock_again": [t / 1e3 for t in again_ms]},
+            "losses": {"stock": losses, "dropin": losses if same_losses else [1.0, 0.6], "stock_again": losses}}
+
+
+def test_step_time_plans_one_paired_job_per_case():
+    args = step_time.parse(["--quick"])
+    jobs = step_time.plan(args, None, 2, 141.0)
+    assert [j.meta["case"] for j in jobs] == [f"leak 8L {r} bf16 params" for r in h.RECIPES]
+    full = step_time.plan(step_time.parse([]), None, 2, 141.0)
+    assert len(full) == 2 * 3 * 2 and all(j.estimate_s > 0 for j in full)
+    specs = step_time.case_specs("realistic", 8, "Float8CurrentScaling", "qinit")
+    assert [s.variant for s in specs.values()] == ["stock", "dropin", "stock"]
+    assert all(s.quantized_init and s.layers == 8 for s in specs.values())
+
+
+def test_step_time_summary_reads_the_drop_in_against_stock_and_the_control():
+    base = [100.0 + i % 5 for i in range(12)]
+    ok = _paired_sample("leak a", base, [t + 0.5 for t in base], [t + 0.2 for t in base])
+    slow = _paired_sample("leak b", base, [t + 5 for t in base], base, same_losses=False)
+    rows = step_time.summarize([ok, slow])["rows"]
+    by = {(r["case"], r["metric"]): r for r in rows}
+    assert by[("leak a", "median step time")]["ok"] is True
+    assert by[("leak a", "median step time, control: stock again / stock")]["ok"] is None
+    assert by[("leak a", "median step time, control: stock again / stock")]["dropin"] == pytest.approx(101.7)
+    assert by[("leak b", "median step time")]["ok"] is False
+    assert by[("leak b", "losses identical (stock, drop-in, stock again)")]["ok"] is False
+    timings = step_time.summarize([ok])["timings"]
+    assert [t["variant"] for t in timings] == ["stock", "drop-in", "stock again"]
+
+
+def test_runner_progress_line_reads_paired_times():
+    from benchmarks._runner import _short
+
+    line = _short({"step_time_s": {"stock": [0.010, 0.012], "dropin": [0.011]}})
+    assert "stock 11.00 ms" in line and "dropin 11.00 ms" in line

@@ -1,0 +1,102 @@
+"""Step time, paired: stock, drop-in and stock again, trained in turn, one step each.
+
+    torchrun --nproc_per_node=2 -m benchmarks.step_time [--quick]
+
+The other benchmarks time stock and drop-in minutes apart, one model after
+the other, so drift in clocks and load lands on one side: two stock runs of
+the same realistic model differed by 50 ms (10%) there. Here the three models
+of a case are alive together and take turns step by step, so drift hits all
+three alike. The second stock model is the control: its ratio to the first
+is the noise floor the drop-in's ratio must be read against.
+
+Per case (size x recipe x init, FSDP2 with ``reshard_after_forward=True``):
+the median step time of each model with its spread (the slowest rank's time
+per step), drop-in / stock against the target <= 1.01, stock again / stock
+as the control, and losses identical across the three. Sizes: ``leak`` (8
+layers) and ``realistic`` at 8 layers, since three realistic models deep
+enough to fill the GPU would not fit at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import _harness as h
+from ._runner import Job, gpu_main
+from ._stack import SIZES, ModelSpec, Steps, estimate_seconds, paired_times
+
+NAME = "step_time"
+DEFAULTS = {
+    "recipes": (list(h.RECIPES), list(h.RECIPES)),
+    "sizes": (["leak", "realistic"], ["leak"]),
+    "inits": (list(h.INITS), ["bf16"]),
+    "steps": (30, 10),
+    "warmup": (5, 2),
+}
+#: The three models of a case, in the order they take turns.
+ORDER = ("stock", "dropin", "stock_again")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = h.make_parser(NAME, __doc__)
+    p.add_argument("--inits", type=h.csv_choices(h.INITS), help="bf16 (bf16 params), qinit (quantized_model_init)")
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return h.parse_args(parser(), argv, DEFAULTS)
+
+
+def case_specs(size_name: str, layers: int, recipe: str, init: str) -> dict[str, ModelSpec]:
+    size = SIZES[size_name]
+    qinit = init == "qinit"
+    return {label: ModelSpec(size=size, layers=layers, recipe=recipe, managed=label == "dropin", quantized_init=qinit)
+            for label in ORDER}
+
+
+def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
+    jobs = []
+    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps)
+    for size_name in args.sizes:
+        layers = args.layers or SIZES[size_name].layers
+        for recipe in args.recipes:
+            for init in args.inits:
+                specs = case_specs(size_name, layers, recipe, init)
+                case = f"{size_name} {layers}L {recipe} {h.INIT_LABELS[init]}"
+                jobs.append(Job(label=f"[paired] {case}", meta={"case": case, "init": init}, spec=specs["dropin"],
+                                run=lambda specs=specs: paired_times(specs, steps, dist),
+                                estimate_s=sum(estimate_seconds(s, steps) for s in specs.values())))
+    return jobs
+
+
+def case_rows(case: str, sample: dict) -> list[dict]:
+    t, losses = sample["step_time_s"], sample["losses"]
+    same = losses["dropin"] == losses["stock"] and losses["stock_again"] == losses["stock"]
+    control = h.time_row(case, t["stock"], t["stock_again"], limit=None)
+    control.update(metric="median step time, control: stock again / stock",
+                   note="the noise floor of this comparison; no target")
+    return [
+        h.check_row(case, "losses identical (stock, drop-in, stock again)", same,
+                    f"{len(losses['stock'])} steps" + ("" if same else ": they differ")),
+        h.time_row(case, t["stock"], t["dropin"]),
+        control,
+    ]
+
+
+def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
+    rows, timings = [], []
+    for s in samples:
+        rows += case_rows(s["case"], s)
+        timings += [{"case": s["case"], "variant": label.replace("_", " ").replace("dropin", "drop-in"),
+                     "samples_ms": [1e3 * v for v in s["step_time_s"][label]]} for label in ORDER]
+    return {"rows": rows, "timings": timings}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return gpu_main(NAME, parse(argv), argv, plan, summarize)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
