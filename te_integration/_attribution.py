@@ -25,17 +25,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from workspace_manager import (
-    BackwardOverride,
-    Microbatch,
-    RecomputePass,
     Usage,
-    WeightSource,
     WorkspaceKind,
     WorkspaceLedger,
     WorkspaceReport,
     detect_fsdp2_sharding,
-    plan_call,
-    quantizer_capabilities,
     workspace_kind,
 )
 
@@ -134,10 +128,9 @@ def _parameter_plan(module: Any, local: Any) -> Any:
     inspections made before the module's first forward (stock: None)."""
     if not hasattr(module, "_te_wm_sharding"):
         return None
-    _, plan = plan_call(module.workspace_policy, quantizer_capabilities(local._quantizer), module._te_wm_sharding(),
-                        RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
-                        BackwardOverride.NONE)
-    return plan
+    from ._shards import parameter_plan
+
+    return parameter_plan(module, local._quantizer)
 
 
 def _sharding(module: Any) -> Any:

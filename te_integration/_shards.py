@@ -47,10 +47,7 @@ def trim_sharded_parameters(module: Any) -> int:
         local = getattr(param, "_local_tensor", None)  # the shard of a DTensor parameter
         if not isinstance(local, te.QuantizedTensorStorage):
             continue
-        _, plan = plan_call(module.workspace_policy, quantizer_capabilities(local._quantizer), sharding,
-                            RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
-                            BackwardOverride.NONE)
-        keeps = plan.parameter_keeps
+        keeps = parameter_plan(module, local._quantizer).parameter_keeps
         if Usage.COLUMNWISE in keeps:
             continue
         # The shard's own quantizer decides what later quantizations of it
@@ -61,6 +58,15 @@ def trim_sharded_parameters(module: Any) -> int:
         trimmed += 1
     track(module)
     return trimmed
+
+
+def parameter_plan(module: Any, quantizer: Any) -> Any:
+    """The drop-in ``module``'s plan for a training call on a quantized
+    parameter made by ``quantizer`` (what its shards keep, what is released)."""
+    _, plan = plan_call(module.workspace_policy, quantizer_capabilities(quantizer), module._te_wm_sharding(),
+                        RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
+                        BackwardOverride.NONE)
+    return plan
 
 
 def track(module: Any) -> None:
