@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._errors import ContextTypeError
 from ._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
 
 __all__ = [
@@ -225,6 +226,18 @@ class _Tracked:
         return usage, sum(n for _, _, n in alive), [k for k, _, _ in alive]
 
 
+def _check_record_arguments(kind: Any, plan: Any, usage: Any) -> None:
+    expected = (("kind", kind, WorkspaceKind, "WorkspaceKind.SAVED_FOR_BACKWARD"),
+                ("usage", usage, Usage, "Usage.BOTH"))
+    for name, value, cls, example in expected:
+        if not isinstance(value, cls):
+            raise ContextTypeError(f"WorkspaceLedger.record: {name} must be a {cls.__name__} (e.g. {example}); "
+                                   f"received {value!r} ({type(value).__name__})")
+    if plan is not None and not isinstance(plan, WorkspacePlan):
+        raise ContextTypeError("WorkspaceLedger.record: plan must be a WorkspacePlan (from policy.plan(ctx)) or None "
+                               f"for a workspace no policy planned; received {plan!r} ({type(plan).__name__})")
+
+
 def _current_nbytes(buf: _Buffer) -> int:
     """The storage's size now: 0 once it is freed, and also once it is
     resized to nothing (how FSDP2 frees a gathered parameter while the
@@ -268,6 +281,7 @@ class WorkspaceLedger:
         None when nothing new was recorded."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
+        _check_record_arguments(kind, plan, usage)
         wanted = [(n, t) for n, t in buffers_of(quantized).items() if direction_of(n) & usage]
         with self._lock:
             self._prune()

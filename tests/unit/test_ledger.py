@@ -249,3 +249,17 @@ def test_a_storage_resized_to_nothing_is_freed(q, weight):
     assert ledger.live() == []
     assert ledger.record(owner, "m", "weight", WorkspaceKind.GATHERED, _plan(), handle, usage=Usage.ROWWISE)
     assert ledger.live()[0].nbytes == 64 * 32 + 4
+
+
+@pytest.mark.parametrize("field, kwargs, message", [
+    ("kind", {"kind": "cached"}, r"kind must be a WorkspaceKind \(e\.g\. WorkspaceKind\.SAVED_FOR_BACKWARD\); received 'cached' \(str\)"),
+    ("usage", {"usage": "rowwise"}, r"usage must be a Usage \(e\.g\. Usage\.BOTH\); received 'rowwise'"),
+    ("plan", {"plan": "cache=fill"}, r"plan must be a WorkspacePlan .* or None .*received 'cache=fill' \(str\)"),
+])
+def test_record_rejects_arguments_of_the_wrong_type(q, weight, field, kwargs, message):
+    from workspace_manager import ContextTypeError
+
+    args = {"kind": WorkspaceKind.CACHED, "plan": _plan(), "usage": Usage.BOTH, **kwargs}
+    handle = q.quantize(weight, rowwise=True, columnwise=False)
+    with pytest.raises(ContextTypeError, match=message):
+        WorkspaceLedger().record(Owner(), "m", "weight", args["kind"], args["plan"], handle, usage=args["usage"])
