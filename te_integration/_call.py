@@ -22,6 +22,7 @@ from workspace_manager import (
     BackwardSource,
     Microbatch,
     RecomputePass,
+    RecomputeScope,
     Release,
     WeightSource,
     WorkspacePlan,
@@ -149,7 +150,7 @@ class ManagedCall:
 
     def plan_weight(self, key: str, weight: Any, quantizer: Any, *, grad: bool, input_requires_grad: bool,
                     is_first_microbatch: bool | None, backward_override: str | None,
-                    recompute: RecomputePass) -> WeightSlot:
+                    recompute: RecomputePass, scope: RecomputeScope = RecomputeScope.REGION) -> WeightSlot:
         """Describe the call to the policy and keep its plan for the other seams."""
         is_qp = isinstance(weight, te.QuantizedTensorStorage)
         source_quantizer = weight._quantizer if is_qp else quantizer
@@ -158,6 +159,7 @@ class ManagedCall:
             quantizer_capabilities(source_quantizer),
             self.module._te_wm_sharding(),
             recompute,
+            scope,
             bool(grad),
             bool(input_requires_grad),
             WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,

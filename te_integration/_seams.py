@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from workspace_manager import CacheAction, RecomputePass, Usage
+from workspace_manager import CacheAction, RecomputePass, RecomputeScope, Usage
 
 from . import _attribution
 from . import _compat as te
@@ -198,14 +198,15 @@ class _LayerNormMLP(te.LNMLPFunction):
 def _plan_mlp(call: ManagedCall, nta: tuple, fc1_w, fc2_w) -> list[WeightSlot]:
     a = te.LNMLP_ARGS
     grad, own_checkpoint = bool(nta[a["is_grad_enabled"]]), bool(nta[a["checkpoint"]])
-    recompute = te_recompute_pass()
+    recompute, scope = te_recompute_pass(), RecomputeScope.REGION
     if own_checkpoint and grad:
         # The module's own checkpoint: its first pass saves inputs only, like
-        # a reentrant checkpoint's first pass, so it is planned as one.
+        # a reentrant checkpoint's first pass, so it is planned as one; its
+        # recompute pass hands what it builds straight to backward.
         recompute = RecomputePass.RECOMPUTE if nta[a["recompute_for_bwd"]] else RecomputePass.FIRST
-        grad = recompute is RecomputePass.RECOMPUTE
+        grad, scope = recompute is RecomputePass.RECOMPUTE, RecomputeScope.MODULE
     common = dict(grad=grad, input_requires_grad=True, is_first_microbatch=nta[a["is_first_microbatch"]],
-                  backward_override=None, recompute=recompute)
+                  backward_override=None, recompute=recompute, scope=scope)
     return [
         call.plan_weight("fc1_weight", fc1_w, nta[a["fc1_weight_quantizer"]], **common),
         call.plan_weight("fc2_weight", fc2_w, nta[a["fc2_weight_quantizer"]], **common),

@@ -23,6 +23,7 @@ from workspace_manager import (
     BackwardOverride,
     Microbatch,
     RecomputePass,
+    RecomputeScope,
     Usage,
     WeightSource,
     plan_call,
@@ -64,7 +65,8 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     """The drop-in ``module``'s plan for a training call on a quantized
     parameter made by ``quantizer`` (what its shards keep, what is released)."""
     _, plan = plan_call(module.workspace_policy, quantizer_capabilities(quantizer), module._te_wm_sharding(),
-                        RecomputePass.NONE, True, True, WeightSource.QUANTIZED_PARAM, Microbatch.NONE,
+                        RecomputePass.NONE, RecomputeScope.REGION, True, True, WeightSource.QUANTIZED_PARAM,
+                        Microbatch.NONE,
                         BackwardOverride.NONE)
     return plan
 

@@ -19,6 +19,7 @@ from ._errors import ContextTypeError, InvalidContextError
 __all__ = [
     "Sharding",
     "RecomputePass",
+    "RecomputeScope",
     "WeightSource",
     "Microbatch",
     "BackwardOverride",
@@ -59,6 +60,20 @@ class RecomputePass(enum.Enum):
     #: The forward replayed during backward; its saved tensors feed the
     #: backward that follows at once.
     RECOMPUTE = "recompute"
+
+
+class RecomputeScope(enum.Enum):
+    """Who reruns the forward in a recompute pass. It decides what TE hands
+    to backward, and so what a plan must match for identical numerics."""
+
+    #: A checkpoint around the module (``te.checkpoint``). Its recompute
+    #: pass runs before the module's backward; what that backward gets is
+    #: decided apart from the pass (under FSDP2, TE quantizes again there).
+    REGION = "region"
+    #: The module's own recompute (``LayerNormMLP(checkpoint=True)``), run
+    #: inside its backward: TE hands the workspaces the pass builds
+    #: straight to that backward.
+    MODULE = "module"
 
 
 class WeightSource(enum.Enum):
@@ -169,8 +184,10 @@ class QuantizerCapabilities:
     requantization_safe: bool
     """Quantizing the same high-precision weight again reproduces the first
     quantization exactly (TE's ``is_requantization_safe``). False for delayed
-    scaling and stochastic rounding. A plan that rebuilds in backward with an
-    unsafe quantizer says so in its notes."""
+    scaling and stochastic rounding. With an unsafe quantizer, FSDP2 does not
+    cache across microbatches, a ``te.checkpoint`` recompute pass under FSDP2
+    leaves dgrad's copy to the backward rebuild (as TE does), and a plan that
+    rebuilds in backward says so in its notes."""
 
     _FIELD_TYPES = {
         "name": str,
@@ -196,6 +213,8 @@ class WorkspaceContext:
     """How the weight is distributed."""
     recompute: RecomputePass = RecomputePass.NONE
     """The activation-recompute pass, if any."""
+    recompute_scope: RecomputeScope = RecomputeScope.REGION
+    """Who reruns the forward; only ``REGION`` without a recompute pass."""
     grad_enabled: bool = True
     """``torch.is_grad_enabled()`` during the call. False with no recompute
     pass means inference."""
@@ -214,6 +233,7 @@ class WorkspaceContext:
         "capabilities": QuantizerCapabilities,
         "sharding": Sharding,
         "recompute": RecomputePass,
+        "recompute_scope": RecomputeScope,
         "grad_enabled": bool,
         "input_requires_grad": bool,
         "weight": WeightSource,
@@ -228,6 +248,12 @@ class WorkspaceContext:
                 "WorkspaceContext: recompute=RecomputePass.RECOMPUTE requires grad_enabled=True "
                 "(the recompute pass exists only to feed backward); received grad_enabled=False. "
                 "Use RecomputePass.FIRST for a region's first forward, or RecomputePass.NONE."
+            )
+        if self.recompute_scope is RecomputeScope.MODULE and self.recompute is RecomputePass.NONE:
+            raise InvalidContextError(
+                "WorkspaceContext: recompute_scope=RecomputeScope.MODULE describes a recompute pass, "
+                "but recompute=RecomputePass.NONE. Set the pass (FIRST or RECOMPUTE), or leave "
+                "recompute_scope at RecomputeScope.REGION."
             )
 
     # Derived facts every policy asks; kept here so that no policy spells
@@ -254,7 +280,7 @@ class WorkspaceContext:
     def as_plain_forward(self) -> WorkspaceContext:
         """The same call with the recompute pass removed (for policies that
         delegate the non-recompute part of a decision)."""
-        return _replace(self, recompute=RecomputePass.NONE)
+        return _replace(self, recompute=RecomputePass.NONE, recompute_scope=RecomputeScope.REGION)
 
 
 def valid_contexts(
@@ -267,18 +293,23 @@ def valid_contexts(
     dgrads: Iterable[bool] = (True, False),
     microbatches: Iterable[Microbatch] = tuple(Microbatch),
     overrides: Iterable[BackwardOverride] = tuple(BackwardOverride),
+    scopes: Iterable[RecomputeScope] = tuple(RecomputeScope),
 ) -> Iterator[WorkspaceContext]:
     """Every valid context over the given values (the recompute pass always
-    has grad), in the order of the arguments."""
-    for sharding, rpass, weight, grad, dgrad, mb, override in itertools.product(
-        shardings, passes, weights, grads, dgrads, microbatches, overrides
+    has grad; a scope other than ``REGION`` needs a recompute pass), in the
+    order of the arguments."""
+    for sharding, rpass, scope, weight, grad, dgrad, mb, override in itertools.product(
+        shardings, passes, tuple(scopes), weights, grads, dgrads, microbatches, overrides
     ):
         if rpass is RecomputePass.RECOMPUTE and not grad:
+            continue
+        if scope is RecomputeScope.MODULE and rpass is RecomputePass.NONE:
             continue
         yield WorkspaceContext(
             capabilities=capabilities,
             sharding=sharding,
             recompute=rpass,
+            recompute_scope=scope,
             grad_enabled=grad,
             input_requires_grad=dgrad,
             weight=weight,

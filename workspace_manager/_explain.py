@@ -15,6 +15,7 @@ from ._context import (
     Microbatch,
     QuantizerCapabilities,
     RecomputePass,
+    RecomputeScope,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -39,6 +40,11 @@ def plan_notes(
         notes.append("nothing is saved; backward gathers the distributed weight again")
     elif source is BackwardSource.REQUANTIZE:
         notes.append("nothing quantized is saved; backward quantizes the weight it has again")
+        if ctx.recompute is RecomputePass.RECOMPUTE:
+            notes.append(
+                "this pass quantizes with the first pass's scale, backward with its own: the rebuild "
+                "is kept so that dgrad sees TE's bytes"
+            )
     if columnwise is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
         notes.append(
             f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
@@ -87,7 +93,8 @@ class DecisionRow:
         c = self.context
         parts = ["unsharded" if c.sharding is Sharding.NONE else c.sharding.value]
         if c.recompute is not RecomputePass.NONE:
-            parts.append(f"recompute:{c.recompute.value}")
+            own = "(module's own)" if c.recompute_scope is RecomputeScope.MODULE else ""
+            parts.append(f"recompute:{c.recompute.value}{own}")
         parts.append("train" if c.grad_enabled else "no_grad")
         if not c.input_requires_grad:
             parts.append("no_dgrad")
@@ -105,6 +112,7 @@ class DecisionRow:
             "context": {
                 "sharding": c.sharding.value,
                 "recompute": c.recompute.value,
+                "recompute_scope": c.recompute_scope.value,
                 "grad_enabled": c.grad_enabled,
                 "input_requires_grad": c.input_requires_grad,
                 "weight": c.weight.value,

@@ -31,6 +31,11 @@ n; "row" and "col" are the rowwise and columnwise data)::
     recompute pass F_i: cache READ_ONLY, never written ─► quantize row+col
     ─► saved ─► B_i follows at once ─► freed; the inner policy decides
     caching and what is released.
+    exception, te.checkpoint (RecomputeScope.REGION) with an inner policy
+    that requantizes in backward (FSDP2) and a quantizer that does not
+    requantize exactly (delayed scaling): recompute pass F_i quantizes row
+    ─► nothing saved; B_i quantizes col as the inner policy does, with the
+    scale of backward time, as TE does.
 
   DistributedWeightWorkspacePolicy
     F_i: quantize row of the gathered weight ─► freed (nothing saved)
@@ -50,6 +55,7 @@ from ._context import (
     Microbatch,
     QuantizerCapabilities,
     RecomputePass,
+    RecomputeScope,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -335,7 +341,8 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     that the recompute pass will read. In the recompute pass the cache is
     only read, never written; the workspace is built with the usages
     backward needs and saved, since that layer's backward follows at once,
-    so it is never quantized twice. Caching and what is released after
+    so it is never quantized twice (except where that would change dgrad's
+    bytes: see ``_rebuilds_as_inner``). Caching and what is released after
     backward are the inner policy's decisions. Calls outside a recompute
     region are planned by ``inner`` unchanged.
     """
@@ -399,6 +406,8 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         if ctx.recompute is RecomputePass.FIRST:
             later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
             return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
+        if self._rebuilds_as_inner(ctx):
+            return self.inner.forward_usage(ctx.as_plain_forward(), self._inner_cache(ctx))
         return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
 
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
@@ -406,7 +415,25 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
             return BackwardSource.NONE
         if self.inner.backward_regathers:
             return self.inner.backward_source(ctx.as_plain_forward(), cache)
+        if self._rebuilds_as_inner(ctx):
+            return BackwardSource.REQUANTIZE
         return _source_without_rebuild(ctx)
+
+    def _rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
+        """Whether the recompute pass must leave dgrad's copy to the inner
+        policy's backward rebuild instead of saving its own.
+
+        TE quantizes a region's recompute pass with the scale of the first
+        pass (it puts the delayed-scaling state back), but its backward
+        rebuild (FSDP2) uses the scale current at backward. Only a quantizer
+        that requantizes exactly gives the same bytes both ways; for the
+        others, saving the pass's copy would change dgrad. A module's own
+        recompute is exempt: TE hands that pass's copy to backward itself.
+        """
+        if ctx.recompute_scope is RecomputeScope.MODULE or ctx.capabilities.requantization_safe:
+            return False
+        training = replace(ctx.as_plain_forward(), grad_enabled=True)
+        return self.inner.backward_source(training, self._inner_cache(ctx)) is BackwardSource.REQUANTIZE
 
     def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
         return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
@@ -464,6 +491,7 @@ def plan_call(
     capabilities: QuantizerCapabilities,
     sharding: Sharding,
     recompute: RecomputePass,
+    recompute_scope: RecomputeScope,
     grad_enabled: bool,
     input_requires_grad: bool,
     weight: WeightSource,
@@ -471,6 +499,7 @@ def plan_call(
     backward_override: BackwardOverride,
 ) -> tuple[WorkspaceContext, WorkspacePlan]:
     """The context and plan of one module call, memoized per call shape.
+    The arguments after ``pinned`` are the context's fields, in order.
 
     Bindings call this on every weight of every call. Building and checking
     a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
@@ -484,6 +513,7 @@ def plan_call(
         capabilities=capabilities,
         sharding=sharding,
         recompute=recompute,
+        recompute_scope=recompute_scope,
         grad_enabled=grad_enabled,
         input_requires_grad=input_requires_grad,
         weight=weight,

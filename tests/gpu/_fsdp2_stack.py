@@ -36,9 +36,17 @@ class Stack(torch.nn.Sequential):
     """The layers in sequence, passing ``is_first_microbatch`` to each (the
     root stays a module FSDP2 wraps, so its hooks run)."""
 
+    #: None, or the te.checkpoint mode around every layer ("reentrant", "nonreentrant").
+    checkpoint_mode = None
+
     def forward(self, x, is_first_microbatch=None):
         for layer in self:
-            x = layer(x, is_first_microbatch=is_first_microbatch)
+            if self.checkpoint_mode is None:
+                x = layer(x, is_first_microbatch=is_first_microbatch)
+            else:
+                import transformer_engine.pytorch as te
+
+                x = te.checkpoint(layer, x, use_reentrant=self.checkpoint_mode == "reentrant")
         return x
 
 
@@ -139,6 +147,47 @@ def train_and_measure(model, recipe, baseline: int):
         "peak_mib": mib(torch.cuda.max_memory_allocated() - baseline),
         "after_step_mib": mib(sum(after) / len(after) - baseline),
     }
+
+
+def recompute_gradients(name: str, mode: str, steps: int = 3) -> dict:
+    """Stock and drop-in under te.checkpoint around every layer: losses, and
+    how many of this rank's gradient shards differ bit for bit at each step.
+    Losses alone hide a dgrad quantized with another scale on this model
+    (below bf16's resolution at a loss of 2); the realistic model showed it
+    at d7db962 (decisions.md, D3)."""
+    import transformer_engine.pytorch as te
+
+    recipe = _recipe(name)
+    result = {"recipe": name, "mode": mode}
+    grads = {}
+    for label, managed in (("stock", False), ("managed", True)):
+        model = build(managed, recipe, False)
+        model.checkpoint_mode = mode
+        opt = optimizer_for(model)
+        losses, grads[label] = [], []
+        for step in range(steps):
+            x, target = data(step)
+            opt.zero_grad(set_to_none=True)
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                out = model(x)
+            loss = F.mse_loss(out, target)
+            loss.backward()
+            grads[label].append([_local(p.grad).detach().clone() for p in model.parameters()])
+            opt.step()
+            losses.append(loss.item())
+        result[label] = {"losses": losses}
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    result["grads_differing"] = [
+        sum(not torch.equal(a, b) for a, b in zip(s, m)) for s, m in zip(grads["stock"], grads["managed"])
+    ]
+    result["grads"] = len(grads["stock"][0])
+    return result
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _allocated():
@@ -317,7 +366,7 @@ def main() -> int:
     quick = "--quick" in sys.argv
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    report = {"configs": [], "microbatches": [], "evidence": [], "attribution": [], "errors": []}
+    report = {"configs": [], "microbatches": [], "evidence": [], "attribution": [], "recompute": [], "errors": []}
     configs = [("bf16", False)] + [(r, q) for r in RECIPES for q in (False, True)]
     if quick:
         configs = configs[:3]
@@ -335,6 +384,9 @@ def main() -> int:
     for name, managed in () if attribution_only else (("bf16", False), ("Float8CurrentScaling", False),
                                                          ("Float8CurrentScaling", True)):
         _guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
+    for name, mode in [] if attribution_only else [(r, m) for r in RECIPES for m in ("nonreentrant", "reentrant")]:
+        _guard(report, f"recompute {name} {mode}",
+               lambda: report["recompute"].append(recompute_gradients(name, mode)))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)

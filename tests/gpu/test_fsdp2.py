@@ -145,3 +145,17 @@ def test_microbatch_cache_is_attributed_and_gone_after_the_step(report, recipe):
     run = _attribution(report, recipe, False, 4)["managed"]
     assert max(p["total_bytes"] for p in run["timeline"]) > 0
     assert run["after_step"]["by_kind"].get("cached", 0) == 0, run["after_step_table"]
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recompute_gradients_identical_to_stock(report, recipe, mode):
+    """te.checkpoint around every layer under FSDP2: every gradient shard is
+    bit-identical to stock's at every step, and so are the losses. With
+    DelayedScaling this needs the recompute pass to leave dgrad's copy to
+    TE's backward rebuild (decisions.md, D3). Not yet run on a GPU."""
+    runs = [r for r in report["recompute"] if r["recipe"] == recipe and r["mode"] == mode]
+    assert runs, report["errors"]
+    run = runs[0]
+    assert run["managed"]["losses"] == run["stock"]["losses"]
+    assert run["grads_differing"] == [0] * len(run["grads_differing"]), f"of {run['grads']} shards per step"

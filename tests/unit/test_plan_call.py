@@ -14,6 +14,7 @@ from workspace_manager import (
     Microbatch,
     PolicyMismatchError,
     RecomputePass,
+    RecomputeScope,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -42,7 +43,7 @@ def test_a_pinned_policy_is_honoured(pair):
 
 
 def test_a_call_shape_is_planned_once():
-    args = (FLOAT8_CURRENT_SCALING, Sharding.FSDP2_RESHARD, RecomputePass.NONE, True, True,
+    args = (FLOAT8_CURRENT_SCALING, Sharding.FSDP2_RESHARD, RecomputePass.NONE, RecomputeScope.REGION, True, True,
             WeightSource.HIGH_PRECISION, Microbatch.NONE, BackwardOverride.NONE)
     first = plan_call(None, *args)
     assert plan_call(None, *args) is first
@@ -51,7 +52,7 @@ def test_a_call_shape_is_planned_once():
 
 
 def test_errors_are_raised_on_every_call_not_memoized():
-    args = (FLOAT8_CURRENT_SCALING, Sharding.NONE, RecomputePass.NONE, True, True,
+    args = (FLOAT8_CURRENT_SCALING, Sharding.NONE, RecomputePass.NONE, RecomputeScope.REGION, True, True,
             WeightSource.HIGH_PRECISION, Microbatch.NONE, BackwardOverride.NONE)
     for _ in range(2):
         with pytest.raises(PolicyMismatchError):
@@ -62,7 +63,7 @@ def test_invalid_arguments_fail_as_the_context_does():
     with pytest.raises(Exception) as direct:
         WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, grad_enabled="yes")
     with pytest.raises(type(direct.value)):
-        plan_call(None, FLOAT8_CURRENT_SCALING, Sharding.NONE, RecomputePass.NONE, "yes", True,
+        plan_call(None, FLOAT8_CURRENT_SCALING, Sharding.NONE, RecomputePass.NONE, RecomputeScope.REGION, "yes", True,
                   WeightSource.HIGH_PRECISION, Microbatch.NONE, BackwardOverride.NONE)
 
 
@@ -70,7 +71,8 @@ def test_argument_order_is_the_context_field_order():
     """The bindings pass positional arguments; a reordered context would
     silently swap them, so the order is pinned to the dataclass."""
     ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP,
-                           recompute=RecomputePass.FIRST, grad_enabled=True, input_requires_grad=False,
+                           recompute=RecomputePass.FIRST, recompute_scope=RecomputeScope.MODULE, grad_enabled=True,
+                           input_requires_grad=False,
                            weight=WeightSource.QUANTIZED_PARAM, microbatch=Microbatch.LATER,
                            backward_override=BackwardOverride.NONE)
     assert astuple(plan_call(None, *_args(ctx))[0]) == astuple(ctx)

@@ -65,6 +65,12 @@ def test_recompute_passes_quantize_once(pair):
     _check(inv.recompute_passes_quantize_once, pair)
 
 
+@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
+def test_inexact_region_recompute_rebuilds_as_the_inner_policy(pair):
+    """Identical numerics with delayed scaling under FSDP2 and te.checkpoint."""
+    _check(inv.inexact_region_recompute_rebuilds_as_the_inner_policy, pair)
+
+
 @given(covering_policies())
 def test_no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(pair):
     _check(inv.no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache, pair)

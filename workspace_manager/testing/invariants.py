@@ -15,6 +15,7 @@ Needs nothing beyond the package (no Hypothesis).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from .._context import (
     valid_contexts,
@@ -22,6 +23,7 @@ from .._context import (
     Microbatch,
     QuantizerCapabilities,
     RecomputePass,
+    RecomputeScope,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -51,6 +53,7 @@ __all__ = [
     "a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild",
     "recompute_passes_never_write_a_cache",
     "recompute_passes_quantize_once",
+    "inexact_region_recompute_rebuilds_as_the_inner_policy",
     "no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache",
     "columnwise_built_in_forward_is_used",
     "plans_are_deterministic_and_hashable",
@@ -156,9 +159,34 @@ def recompute_passes_never_write_a_cache(policy: WorkspacePolicy, ctx: Workspace
 
 def recompute_passes_quantize_once(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """The recompute pass's workspace feeds the backward that follows at once,
-    so it is never requantized there (unless backward gathers the weight anyway)."""
-    if ctx.recompute is RecomputePass.RECOMPUTE and ctx.sharding is not Sharding.DISTRIBUTED_WEIGHT:
-        _require(plan.backward_source is not BackwardSource.REQUANTIZE, "recompute pass requantizes in backward")
+    so it is never requantized there. Two exceptions: backward gathers the
+    weight anyway, or a region's recompute pass with a quantizer that does
+    not requantize exactly, whose copy (made with the first pass's scale)
+    would differ from the rebuild TE does in backward."""
+    if ctx.recompute is not RecomputePass.RECOMPUTE or ctx.sharding is Sharding.DISTRIBUTED_WEIGHT:
+        return
+    if ctx.recompute_scope is RecomputeScope.REGION and not ctx.capabilities.requantization_safe:
+        return
+    _require(plan.backward_source is not BackwardSource.REQUANTIZE, "recompute pass requantizes in backward")
+
+
+def inexact_region_recompute_rebuilds_as_the_inner_policy(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """Identical numerics: a region's recompute pass quantizes with the first
+    pass's scale, so with a quantizer that does not requantize exactly it
+    cannot stand in for a backward rebuild that the inner policy does."""
+    if not isinstance(policy, RecomputeWorkspacePolicy) or ctx.recompute is not RecomputePass.RECOMPUTE:
+        return
+    if ctx.recompute_scope is not RecomputeScope.REGION or ctx.capabilities.requantization_safe:
+        return
+    training = replace(ctx.as_plain_forward(), grad_enabled=True)
+    if policy.inner.plan(training).backward_source is BackwardSource.REQUANTIZE:
+        _require(
+            plan.backward_source is BackwardSource.REQUANTIZE,
+            f"the inner policy rebuilds in backward, but the recompute pass gives backward "
+            f"backward_source={plan.backward_source.value} made with the first pass's scale",
+        )
 
 
 def no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(
@@ -291,6 +319,7 @@ PLAN_INVARIANTS: tuple[PlanInvariant, ...] = (
     a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild,
     recompute_passes_never_write_a_cache,
     recompute_passes_quantize_once,
+    inexact_region_recompute_rebuilds_as_the_inner_policy,
     no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache,
     columnwise_built_in_forward_is_used,
     plans_are_deterministic_and_hashable,

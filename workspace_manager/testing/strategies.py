@@ -13,6 +13,7 @@ from .._context import (
     Microbatch,
     QuantizerCapabilities,
     RecomputePass,
+    RecomputeScope,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -48,18 +49,23 @@ def contexts(
     capabilities=capabilities(),
     sharding=st.sampled_from(list(Sharding)),
     recompute=st.sampled_from(list(RecomputePass)),
+    scope=st.sampled_from(list(RecomputeScope)),
     weight=st.sampled_from(list(WeightSource)),
     grad_enabled=st.booleans(),
     microbatch=st.sampled_from(list(Microbatch)),
     backward_override=st.sampled_from(list(BackwardOverride)),
 ) -> WorkspaceContext:
-    """Every valid call context (the recompute pass always has grad enabled)."""
+    """Every valid call context (the recompute pass always has grad enabled;
+    a module's own recompute scope only with a recompute pass)."""
     rpass = draw(recompute)
     grad = True if rpass is RecomputePass.RECOMPUTE else draw(grad_enabled)
+    region = rpass is RecomputePass.NONE
+    rscope = RecomputeScope.REGION if region else draw(scope)
     return WorkspaceContext(
         capabilities=draw(capabilities),
         sharding=draw(sharding),
         recompute=rpass,
+        recompute_scope=rscope,
         grad_enabled=grad,
         input_requires_grad=draw(st.booleans()),
         weight=draw(weight),
