@@ -66,8 +66,7 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     parameter made by ``quantizer`` (what its shards keep, what is released)."""
     _, plan = plan_call(module.workspace_policy, quantizer_capabilities(quantizer), module._te_wm_sharding(),
                         RecomputePass.NONE, RecomputeScope.REGION, True, True, WeightSource.QUANTIZED_PARAM,
-                        Microbatch.NONE,
-                        BackwardOverride.NONE)
+                        Microbatch.NONE, BackwardOverride.NONE)
     return plan
 
 
