@@ -10,21 +10,15 @@ saved on the autograd graph, and dropped in backward.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import sys
-import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from _binding_standin import load_binding
 
 from workspace_manager import Lifetime, Sharding, WorkspaceContext, WorkspaceKind, select_policy
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING
 from workspace_manager.testing.reference import Float8PerTensorQuantizer, Float8PerTensorWeight
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 class _QuantizedTensorStorage:
     """Stands for TE's QuantizedTensorStorage."""
@@ -41,20 +35,13 @@ class QWeight(Float8PerTensorWeight, _QuantizedTensorStorage):
 
 @pytest.fixture
 def attribution(monkeypatch):
-    compat = types.ModuleType("te_integration._compat")
-    compat.QuantizedTensorStorage = _QuantizedTensorStorage
-    compat.TELinear = _TELinear
-    compat.TELayerNormLinear = type("_TELayerNormLinear", (torch.nn.Module,), {})
-    compat.TELayerNormMLP = type("_TELayerNormMLP", (torch.nn.Module,), {})
-    package = types.ModuleType("te_integration")
-    package.__path__ = [str(ROOT / "te_integration")]
-    monkeypatch.setitem(sys.modules, "te_integration", package)
-    monkeypatch.setitem(sys.modules, "te_integration._compat", compat)
-    spec = importlib.util.spec_from_file_location("te_integration._attribution", ROOT / "te_integration/_attribution.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    compat = {
+        "QuantizedTensorStorage": _QuantizedTensorStorage,
+        "TELinear": _TELinear,
+        "TELayerNormLinear": type("_TELayerNormLinear", (torch.nn.Module,), {}),
+        "TELayerNormMLP": type("_TELayerNormMLP", (torch.nn.Module,), {}),
+    }
+    return load_binding(monkeypatch, compat, "_attribution")["_attribution"]
 
 
 def _plan():

@@ -1,0 +1,183 @@
+"""te_integration's seams on CPU: the plan each recompute setting gets, and
+the TE levers the seams set from it, with a stand-in for TE.
+
+The GPU found the case these pin down (benchmarks/results/
+bench-2026-11-30-d7db962): under FSDP2 and ``te.checkpoint``, a delayed-scaling
+recompute pass must leave dgrad's copy to TE's backward rebuild, while
+``LayerNormMLP(checkpoint=True)`` keeps the pass's copy (decisions.md, D3).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from _binding_standin import load_binding
+
+from workspace_manager import BackwardSource, RecomputePass, RecomputeScope, Sharding
+
+
+def _quantizer_class(name: str) -> type:
+    # Named as TE's classes, so the registry's TE profiles describe them.
+    module = "transformer_engine.pytorch.tensor.float8_tensor"
+    return type(name, (), {"__module__": module, "__qualname__": name})
+
+
+DELAYED = _quantizer_class("Float8Quantizer")
+CURRENT = _quantizer_class("Float8CurrentScalingQuantizer")
+
+#: Positions in the stand-in LayerNormMLP argument tuple.
+MLP = {"is_first_microbatch": 0, "fp8": 1, "fc1_weight_quantizer": 2, "fc2_weight_quantizer": 3,
+       "cpu_offloading": 4, "is_grad_enabled": 5, "fsdp_group": 6, "skip_fp8_weight_update": 7,
+       "checkpoint": 8, "debug": 9, "is_fsdp2": 10, "recompute_for_bwd": 11}
+
+
+class _Storage:
+    """Stands for TE's QuantizedTensorStorage (no weight here is one)."""
+
+
+class _LinearFunction:
+    """Stands for TE's ``_Linear``: records the knobs the seam set."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, weight, inp, bias, fwd_args):
+        _LinearFunction.seen.append(fwd_args.is_fsdp2)
+        if ctx is not None:
+            ctx.backward_objects = SimpleNamespace(is_fsdp2=None, weight_quantizer="te's")
+        return inp
+
+
+class _MLPFunction:
+    """Stands for TE's ``_LayerNormMLP``: records the argument tuple."""
+
+    seen: list = []
+
+    @staticmethod
+    def _forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta):
+        _MLPFunction.seen.append(nta)
+        return inp
+
+
+@pytest.fixture
+def binding(monkeypatch):
+    phase = {"enabled": False, "recompute": False}
+    compat = {
+        "QuantizedTensorStorage": _Storage,
+        "TELinear": type("_TELinear", (), {}),
+        "TELayerNormLinear": type("_TELayerNormLinear", (), {}),
+        "TELayerNormMLP": type("_TELayerNormMLP", (), {}),
+        "LinearFunction": _LinearFunction,
+        "LNLFunction": type("_LNLFunction", (), {}),
+        "LNMLPFunction": _MLPFunction,
+        "LNL_ARGS": {},
+        "LNMLP_ARGS": MLP,
+        "is_fp8_activation_recompute_enabled": lambda: phase["enabled"],
+        "in_fp8_activation_recompute_phase": lambda: phase["recompute"],
+        "is_graph_capturing": lambda: False,
+        "is_distributed_weight": lambda weight: False,
+        "clear_columnwise_cache": lambda tensor: None,
+    }
+    modules = load_binding(monkeypatch, compat, "_attribution", "_call", "_seams")
+    _LinearFunction.seen.clear()
+    _MLPFunction.seen.clear()
+    return SimpleNamespace(phase=phase, call=modules["_call"], seams=modules["_seams"])
+
+
+class _Module:
+    """The little of a drop-in module that ManagedCall reads."""
+
+    workspace_policy = None
+
+    def __init__(self, sharding: Sharding) -> None:
+        self._sharding, self._fp8_workspaces, self._te_wm_last_plans = sharding, {}, {}
+
+    def _te_wm_sharding(self) -> Sharding:
+        return self._sharding
+
+
+def _in_te_checkpoint(binding, recompute: bool) -> None:
+    binding.phase.update(enabled=True, recompute=recompute)
+
+
+def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD):
+    """One managed Linear call through the seam: its slot's plan, and the
+    ``is_fsdp2`` levers set for TE's forward and backward."""
+    module = _Module(sharding)
+    call = binding.call.ManagedCall(module, "linear")
+    token = binding.call.ACTIVE.set(call)
+    try:
+        fwd_args = SimpleNamespace(fp8=True, debug=False, fsdp_group=None, skip_fp8_weight_update=None,
+                                   cpu_offloading=False, weight_quantizer=quantizer(), is_grad_enabled=True,
+                                   input_requires_grad=True, is_first_microbatch=None, backward_override=None,
+                                   is_fsdp2=None)
+        ctx = SimpleNamespace()
+        binding.seams._Linear.forward(ctx, object(), "x", None, fwd_args)
+    finally:
+        binding.call.ACTIVE.reset(token)
+    ctx_plan = module._te_wm_last_plans["weight"]
+    return ctx_plan, _LinearFunction.seen[-1], ctx.backward_objects.is_fsdp2
+
+
+def test_delayed_scaling_recompute_pass_under_fsdp2_is_rebuilt_in_backward(binding):
+    _in_te_checkpoint(binding, recompute=True)
+    (ctx, plan), forward_lever, backward_clear = _linear(binding, DELAYED)
+    assert ctx.recompute is RecomputePass.RECOMPUTE and ctx.recompute_scope is RecomputeScope.REGION
+    assert plan.backward_source is BackwardSource.REQUANTIZE
+    # TE saves nothing (is_fsdp2 True in forward) and clears the rebuilt copy after dgrad.
+    assert forward_lever is True and backward_clear is True
+
+
+def test_current_scaling_recompute_pass_under_fsdp2_keeps_its_copy(binding):
+    _in_te_checkpoint(binding, recompute=True)
+    (ctx, plan), forward_lever, backward_clear = _linear(binding, CURRENT)
+    assert plan.backward_source is BackwardSource.SAVED_WORKSPACE  # D3: built once, saved
+    assert forward_lever is False and backward_clear is False
+
+
+def test_non_reentrant_first_pass_saves_what_the_recompute_pass_saves(binding):
+    _in_te_checkpoint(binding, recompute=False)
+    (ctx, plan), forward_lever, _ = _linear(binding, DELAYED)
+    assert ctx.recompute is RecomputePass.FIRST
+    assert forward_lever is True  # as the recompute pass: nothing saved
+
+
+def _mlp_nta(quantizer: type, *, checkpoint: bool, recompute_for_bwd: bool) -> tuple:
+    values = {"is_first_microbatch": None, "fp8": True, "fc1_weight_quantizer": quantizer(),
+              "fc2_weight_quantizer": quantizer(), "cpu_offloading": False, "is_grad_enabled": True,
+              "fsdp_group": None, "skip_fp8_weight_update": None, "checkpoint": checkpoint, "debug": False,
+              "is_fsdp2": True, "recompute_for_bwd": recompute_for_bwd}
+    return tuple(values[name] for name in sorted(MLP, key=MLP.get))
+
+
+@pytest.mark.parametrize(
+    "checkpoint, recompute_for_bwd, in_te_checkpoint, expected",
+    [
+        # LayerNormMLP(checkpoint=True): its first pass is planned as a reentrant
+        # first pass, and its recompute pass keeps its copy (TE hands it to backward).
+        (True, False, False, (RecomputePass.FIRST, RecomputeScope.MODULE, False)),
+        (True, True, False, (RecomputePass.RECOMPUTE, RecomputeScope.MODULE, True)),
+        # Inside te.checkpoint: a region's passes.
+        (False, False, True, (RecomputePass.RECOMPUTE, RecomputeScope.REGION, True)),
+    ],
+    ids=["own_first", "own_recompute", "te_checkpoint_recompute"],
+)
+def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, checkpoint, recompute_for_bwd,
+                                                                   in_te_checkpoint, expected):
+    if in_te_checkpoint:
+        _in_te_checkpoint(binding, recompute=True)
+    module = _Module(Sharding.FSDP2_RESHARD)
+    call = binding.call.ManagedCall(module, "lnmlp")
+    nta = _mlp_nta(DELAYED, checkpoint=checkpoint, recompute_for_bwd=recompute_for_bwd)
+    slots = binding.seams._plan_mlp(call, nta, object(), object())
+    for slot in slots:
+        ctx, plan = module._te_wm_last_plans[slot.key]
+        assert (ctx.recompute, ctx.recompute_scope, ctx.grad_enabled) == expected
+    sources = {module._te_wm_last_plans[s.key][1].backward_source for s in slots}
+    if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.MODULE):
+        assert sources == {BackwardSource.SAVED_WORKSPACE}
+        assert not any(s.drops_workspace for s in slots)
+    if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.REGION):
+        assert sources == {BackwardSource.REQUANTIZE}
+        assert all(s.drops_workspace for s in slots)
