@@ -40,13 +40,19 @@ class Stack(torch.nn.Sequential):
     checkpoint_mode = None
 
     def forward(self, x, is_first_microbatch=None):
-        for layer in self:
-            if self.checkpoint_mode is None:
+        if self.checkpoint_mode is None:
+            for layer in self:
                 x = layer(x, is_first_microbatch=is_first_microbatch)
-            else:
-                import transformer_engine.pytorch as te
+            return x
+        import transformer_engine.pytorch as te
 
-                x = te.checkpoint(layer, x, use_reentrant=self.checkpoint_mode == "reentrant")
+        reentrant = self.checkpoint_mode == "reentrant"
+        if reentrant and not x.requires_grad:
+            # A reentrant checkpoint runs backward only if an input needs grad;
+            # the layers' parameters are not inputs of its autograd Function.
+            x = x.detach().requires_grad_()
+        for layer in self:
+            x = te.checkpoint(layer, x, use_reentrant=reentrant)
         return x
 
 
@@ -172,18 +178,23 @@ def recompute_gradients(name: str, mode: str, steps: int = 3) -> dict:
                 out = model(x)
             loss = F.mse_loss(out, target)
             loss.backward()
-            grads[label].append([_local(p.grad).detach().clone() for p in model.parameters()])
+            grads[label].append([None if p.grad is None else _local(p.grad).detach().clone()
+                                 for p in model.parameters()])
             opt.step()
             losses.append(loss.item())
         result[label] = {"losses": losses}
         del model, opt
         gc.collect()
         torch.cuda.empty_cache()
-    result["grads_differing"] = [
-        sum(not torch.equal(a, b) for a, b in zip(s, m)) for s, m in zip(grads["stock"], grads["managed"])
-    ]
+    result["grads_differing"] = [sum(not _same(a, b) for a, b in zip(s, m))
+                                 for s, m in zip(grads["stock"], grads["managed"])]
+    result["grads_missing"] = sum(g is None for g in grads["stock"][0])
     result["grads"] = len(grads["stock"][0])
     return result
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _local(t):

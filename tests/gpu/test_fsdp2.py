@@ -158,4 +158,5 @@ def test_recompute_gradients_identical_to_stock(report, recipe, mode):
     assert runs, report["errors"]
     run = runs[0]
     assert run["managed"]["losses"] == run["stock"]["losses"]
+    assert run["grads_missing"] == 0, "a parameter got no gradient: the comparison would be vacuous"
     assert run["grads_differing"] == [0] * len(run["grads_differing"]), f"of {run['grads']} shards per step"
