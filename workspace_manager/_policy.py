@@ -330,6 +330,12 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
         return source
 
 
+def _training_forward(ctx: WorkspaceContext) -> WorkspaceContext:
+    """A recompute pass's call as its inner policy sees it: the step's real
+    forward, with grad, even when a reentrant first pass runs without it."""
+    return replace(ctx.as_plain_forward(), grad_enabled=True)
+
+
 @dataclass(frozen=True)
 class RecomputeWorkspacePolicy(WorkspacePolicy):
     """For modules inside activation recompute (``te.checkpoint``,
@@ -387,10 +393,7 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         return super()._plan_unchecked(ctx)
 
     def _inner_cache(self, ctx: WorkspaceContext) -> CacheAction:
-        # The first pass is the step's real forward even when the reentrant
-        # checkpoint runs it without grad, so the inner policy is asked as
-        # for a training forward.
-        return self.inner.cache_action(replace(ctx.as_plain_forward(), grad_enabled=True))
+        return self.inner.cache_action(_training_forward(ctx))
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         cache = self._inner_cache(ctx)
@@ -432,8 +435,8 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         """
         if ctx.recompute_scope is RecomputeScope.MODULE or ctx.capabilities.requantization_safe:
             return False
-        training = replace(ctx.as_plain_forward(), grad_enabled=True)
-        return self.inner.backward_source(training, self._inner_cache(ctx)) is BackwardSource.REQUANTIZE
+        rebuild = self.inner.backward_source(_training_forward(ctx), self._inner_cache(ctx))
+        return rebuild is BackwardSource.REQUANTIZE
 
     def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
         return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)

@@ -15,7 +15,6 @@ Needs nothing beyond the package (no Hypothesis).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 from .._context import (
     valid_contexts,
@@ -36,6 +35,7 @@ from .._policy import (
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
     select_policy,
+    _training_forward,
 )
 
 __all__ = [
@@ -180,8 +180,7 @@ def inexact_region_recompute_rebuilds_as_the_inner_policy(
         return
     if ctx.recompute_scope is not RecomputeScope.REGION or ctx.capabilities.requantization_safe:
         return
-    training = replace(ctx.as_plain_forward(), grad_enabled=True)
-    if policy.inner.plan(training).backward_source is BackwardSource.REQUANTIZE:
+    if policy.inner.plan(_training_forward(ctx)).backward_source is BackwardSource.REQUANTIZE:
         _require(
             plan.backward_source is BackwardSource.REQUANTIZE,
             f"the inner policy rebuilds in backward, but the recompute pass gives backward "
