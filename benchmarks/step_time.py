@@ -9,12 +9,19 @@ of a case are alive together and take turns step by step, so drift hits all
 three alike. The second stock model is the control: its ratio to the first
 is the noise floor the drop-in's ratio must be read against.
 
-Per case (size x recipe x init, FSDP2 with ``reshard_after_forward=True``):
-the median step time of each model with its spread (the slowest rank's time
-per step), drop-in / stock against the target <= 1.01, stock again / stock
-as the control, and losses identical across the three. Sizes: ``leak`` (8
-layers) and ``realistic`` at 8 layers, since three realistic models deep
-enough to fill the GPU would not fit at once.
+Per case (size x recipe x init x microbatches): the median step time of
+each model with its spread (the slowest rank's time per step), drop-in /
+stock against its target, stock again / stock as the control, and losses
+identical across the three. Sizes: ``leak`` (8 layers) and ``realistic`` at
+8 layers, since three realistic models deep enough to fill the GPU would not
+fit at once.
+
+One microbatch (the default) is FSDP2 with ``reshard_after_forward=True``
+and the target <= 1.01. ``--microbatches 4,8`` adds the paired form of
+``benchmarks.microbatch``: ``reshard_after_forward=False``, that many
+microbatches per step, and the target "lower than stock" (ratio < 1.00),
+since there the drop-in quantizes each weight once a step instead of once a
+microbatch.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ DEFAULTS = {
     "inits": (list(h.INITS), ["bf16"]),
     "steps": (30, 10),
     "warmup": (5, 2),
+    "microbatches": ([1], [1]),
 }
 #: The three models of a case, in the order they take turns.
 ORDER = ("stock", "dropin", "stock_again")
@@ -42,6 +50,8 @@ ORDER = ("stock", "dropin", "stock_again")
 def parser() -> argparse.ArgumentParser:
     p = h.make_parser(NAME, __doc__)
     p.add_argument("--inits", type=h.csv_choices(h.INITS), help="bf16 (bf16 params), qinit (quantized_model_init)")
+    p.add_argument("--microbatches", type=h.int_list,
+                   help="microbatch counts per step (default 1); above 1, reshard_after_forward=False")
     return p
 
 
@@ -49,26 +59,42 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return h.parse_args(parser(), argv, DEFAULTS)
 
 
-def case_specs(size_name: str, layers: int, recipe: str, init: str) -> dict[str, ModelSpec]:
+def case_specs(size_name: str, layers: int, recipe: str, init: str, micro: int = 1) -> dict[str, ModelSpec]:
     size = SIZES[size_name]
     qinit = init == "qinit"
-    return {label: ModelSpec(size=size, layers=layers, recipe=recipe, managed=label == "dropin", quantized_init=qinit)
+    # Microbatches only pay off when the gathered weight stays between them.
+    return {label: ModelSpec(size=size, layers=layers, recipe=recipe, managed=label == "dropin", quantized_init=qinit,
+                             reshard_after_forward=micro == 1)
             for label in ORDER}
+
+
+def case_name(size_name: str, layers: int, recipe: str, init: str, micro: int) -> str:
+    case = f"{size_name} {layers}L {recipe} {h.INIT_LABELS[init]}"
+    return case if micro == 1 else f"{case} x{micro} microbatches"
 
 
 def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
     jobs = []
-    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps)
     for size_name in args.sizes:
         layers = args.layers or SIZES[size_name].layers
-        for recipe in args.recipes:
-            for init in args.inits:
-                specs = case_specs(size_name, layers, recipe, init)
-                case = f"{size_name} {layers}L {recipe} {h.INIT_LABELS[init]}"
-                jobs.append(Job(label=f"[paired] {case}", meta={"case": case, "init": init}, spec=specs["dropin"],
-                                run=lambda specs=specs: paired_times(specs, steps, dist),
-                                estimate_s=sum(estimate_seconds(s, steps) for s in specs.values())))
+        for micro in args.microbatches:
+            steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=micro)
+            for recipe in args.recipes:
+                for init in args.inits:
+                    specs = case_specs(size_name, layers, recipe, init, micro)
+                    case = case_name(size_name, layers, recipe, init, micro)
+                    jobs.append(Job(label=f"[paired] {case}", meta={"case": case, "init": init, "microbatches": micro},
+                                    spec=specs["dropin"], run=lambda specs=specs, steps=steps: paired_times(specs, steps,
+                                                                                                           dist),
+                                    estimate_s=sum(estimate_seconds(s, steps) for s in specs.values())))
     return jobs
+
+
+def dropin_time_row(case: str, sample: dict) -> dict:
+    t = sample["step_time_s"]
+    if sample.get("microbatches", 1) > 1:
+        return h.time_row(case, t["stock"], t["dropin"], limit=1.0, strict=True)
+    return h.time_row(case, t["stock"], t["dropin"])
 
 
 def case_rows(case: str, sample: dict) -> list[dict]:
@@ -80,7 +106,7 @@ def case_rows(case: str, sample: dict) -> list[dict]:
     return [
         h.check_row(case, "losses identical (stock, drop-in, stock again)", same,
                     f"{len(losses['stock'])} steps" + ("" if same else ": they differ")),
-        h.time_row(case, t["stock"], t["dropin"]),
+        dropin_time_row(case, sample),
         control,
     ]
 

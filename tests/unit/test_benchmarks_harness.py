@@ -418,6 +418,28 @@ def test_step_time_summary_reads_the_drop_in_against_stock_and_the_control():
     assert [t["variant"] for t in timings] == ["stock", "drop-in", "stock again"]
 
 
+def test_step_time_microbatch_cases_keep_the_weights_and_want_a_faster_step():
+    args = step_time.parse(["--quick", "--microbatches", "1,4"])
+    jobs = step_time.plan(args, None, 2, 141.0)
+    cases = [j.meta["case"] for j in jobs]
+    assert cases[:3] == [f"leak 8L {r} bf16 params" for r in h.RECIPES]
+    assert cases[3:] == [f"leak 8L {r} bf16 params x4 microbatches" for r in h.RECIPES]
+    assert [j.meta["microbatches"] for j in jobs] == [1, 1, 1, 4, 4, 4]
+    keep = step_time.case_specs("leak", 8, "Float8CurrentScaling", "bf16", micro=4)
+    assert not any(s.reshard_after_forward for s in keep.values())
+    assert all(s.reshard_after_forward for s in step_time.case_specs("leak", 8, "Float8CurrentScaling",
+                                                                     "bf16").values())
+    base = [100.0 + i % 5 for i in range(12)]
+    # 0.5% slower passes the one-microbatch target (<= 1.01) but not the microbatch one (< 1.00).
+    slower = [t * 1.005 for t in base]
+    for micro, expected in ((1, True), (4, False)):
+        sample = {**_paired_sample("c", base, slower, base), "microbatches": micro}
+        row = next(r for r in step_time.case_rows("c", sample) if r["metric"] == "median step time")
+        assert row["ok"] is expected, (micro, row)
+    faster = {**_paired_sample("c", base, [t * 0.9 for t in base], base), "microbatches": 8}
+    assert next(r for r in step_time.case_rows("c", faster) if r["metric"] == "median step time")["ok"] is True
+
+
 def test_runner_progress_line_reads_paired_times():
     from benchmarks._runner import _short
 
