@@ -153,7 +153,8 @@ def test_recompute_gradients_identical_to_stock(report, recipe, mode):
     """te.checkpoint around every layer under FSDP2: every gradient shard is
     bit-identical to stock's at every step, and so are the losses. With
     DelayedScaling this needs the recompute pass to leave dgrad's copy to
-    TE's backward rebuild (decisions.md, D3). Not yet run on a GPU."""
+    TE's backward rebuild (decisions.md, D3). Passed on 2x H200 at c06af9d
+    (benchmarks/results/bench-2026-11-30-c06af9d/gpu-tests)."""
     runs = [r for r in report["recompute"] if r["recipe"] == recipe and r["mode"] == mode]
     assert runs, report["errors"]
     run = runs[0]
