@@ -27,6 +27,7 @@ microbatch.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Sequence
 
@@ -73,20 +74,20 @@ def case_name(size_name: str, layers: int, recipe: str, init: str, micro: int) -
     return case if micro == 1 else f"{case} x{micro} microbatches"
 
 
+def paired_job(case: str, init: str, micro: int, specs: dict[str, ModelSpec], steps: Steps, dist) -> Job:
+    return Job(label=f"[paired] {case}", meta={"case": case, "init": init, "microbatches": micro},
+               spec=specs["dropin"], run=lambda: paired_times(specs, steps, dist),
+               estimate_s=sum(estimate_seconds(s, steps) for s in specs.values()))
+
+
 def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
     jobs = []
-    for size_name in args.sizes:
+    for size_name, micro in itertools.product(args.sizes, args.microbatches):
         layers = args.layers or SIZES[size_name].layers
-        for micro in args.microbatches:
-            steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=micro)
-            for recipe in args.recipes:
-                for init in args.inits:
-                    specs = case_specs(size_name, layers, recipe, init, micro)
-                    case = case_name(size_name, layers, recipe, init, micro)
-                    jobs.append(Job(label=f"[paired] {case}", meta={"case": case, "init": init, "microbatches": micro},
-                                    spec=specs["dropin"], run=lambda specs=specs, steps=steps: paired_times(specs, steps,
-                                                                                                           dist),
-                                    estimate_s=sum(estimate_seconds(s, steps) for s in specs.values())))
+        steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=micro)
+        for recipe, init in itertools.product(args.recipes, args.inits):
+            specs = case_specs(size_name, layers, recipe, init, micro)
+            jobs.append(paired_job(case_name(size_name, layers, recipe, init, micro), init, micro, specs, steps, dist))
     return jobs
 
 
