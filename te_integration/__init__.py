@@ -19,7 +19,9 @@ from ._modules import (
     last_plans,
     managed_construction,
     set_workspace_policy,
+    workspace_state,
 )
+from ._state import Levers, ModuleWorkspaceState
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
 
@@ -31,6 +33,9 @@ __all__ = [
     "managed_construction",
     "set_workspace_policy",
     "last_plans",
+    "workspace_state",
+    "ModuleWorkspaceState",
+    "Levers",
     "release_step_caches",
     "workspace_report",
     "record_workspaces",

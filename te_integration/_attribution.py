@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from workspace_manager import (
     Usage,
@@ -34,6 +33,7 @@ from workspace_manager import (
 )
 
 from . import _compat as te
+from ._steps import add_step_task, ensure_hook
 
 __all__ = ["workspace_report", "record_workspaces", "WorkspaceRecording"]
 
@@ -55,9 +55,10 @@ def _name(module: Any) -> str:
 
 
 def _plan_of(module: Any, key: str) -> Any:
-    plans = module.__dict__.get("_te_wm_plans", {})
-    entry = plans.get(key) or plans.get("weight")
-    return entry[1] if entry is not None else None
+    state = getattr(module, "_wm_state", None)
+    if state is None:
+        return None
+    return state.plan_of(key) or state.plan_of("weight")
 
 
 def _weight_name(module: Any, tensor: Any) -> str:
@@ -93,6 +94,12 @@ def tag(ctx: Any, module: Any) -> None:
         ctx._te_wm_owner = weakref.ref(module)
 
 
+def marks_backward(ctx: Any) -> bool:
+    """Whether a recording wants timeline points around ``ctx``'s backward
+    (one global read when no recording is active)."""
+    return _RECORDING is not None and getattr(ctx, "_te_wm_owner", None) is not None
+
+
 def backward_mark(ctx: Any, phase: str) -> None:
     ref = getattr(ctx, "_te_wm_owner", None)
     module = ref() if ref is not None else None
@@ -126,7 +133,7 @@ def inspect_module(module: Any) -> None:
 def _parameter_plan(module: Any, local: Any) -> Any:
     """A drop-in's plan for a training call on its quantized parameter, for
     inspections made before the module's first forward (stock: None)."""
-    if not hasattr(module, "_te_wm_sharding"):
+    if not hasattr(module, "_wm_kind"):
         return None
     from ._shards import parameter_plan
 
@@ -134,8 +141,11 @@ def _parameter_plan(module: Any, local: Any) -> Any:
 
 
 def _sharding(module: Any) -> Any:
-    own = getattr(module, "_te_wm_sharding", None)
-    return own() if own is not None else detect_fsdp2_sharding(module)
+    if hasattr(module, "_wm_kind"):
+        from ._state import state_of
+
+        return state_of(module).sharding(module)
+    return detect_fsdp2_sharding(module)
 
 
 def te_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
@@ -199,8 +209,7 @@ def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> Itera
     for fqn, module in te_modules(model):
         _NAMES[module] = fqn or type(module).__name__
     handles = [h for m in recording.modules for h in _hooks(m, recording)]
-    handles.append(register_optimizer_step_post_hook(
-        lambda *_: (recording.mark("optimizer step", "step"), LEDGER.next_step())))
+    ensure_hook()  # the binding's one optimizer-step hook calls _step_point
     _RECORDING, LEDGER.enabled = recording, True
     try:
         yield recording
@@ -208,6 +217,15 @@ def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> Itera
         _RECORDING, LEDGER.enabled = None, False
         for h in handles:
             h.remove()
+
+
+def _step_point() -> None:
+    if _RECORDING is not None:
+        _RECORDING.mark("optimizer step", "step")
+        LEDGER.next_step()
+
+
+add_step_task(_step_point)
 
 
 def _hooks(module: Any, recording: WorkspaceRecording) -> list:

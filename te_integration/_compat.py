@@ -91,10 +91,13 @@ _SENTINELS = {
     linear_module._linear_eager: ["_Linear.apply(", "_Linear.forward(None"],
     LNLFunction.forward: ["if is_fsdp2 and weightmat is not weight:", "ctx.is_fsdp2 = is_fsdp2", "quantize_weight("],
     LNLFunction.backward: ["weight_quantizer.set_usage(rowwise=True, columnwise=True)", "clear_columnwise_cache("],
-    TELayerNormLinear.forward: ["_LayerNormLinear.apply", "_LayerNormLinear.forward"],
+    TELayerNormLinear.forward: ["_LayerNormLinear.apply", "_LayerNormLinear.forward", "self.prepare_forward(",
+                                "self.end_forward()"],
+    TELinear.forward: ["_linear_eager(", "self.prepare_forward(", "self.end_forward()"],
     LNMLPFunction._forward: ["fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation", "ctx.is_fsdp2 = is_fsdp2"],
     LNMLPFunction.forward: ["_LayerNormMLP._forward("],
-    TELayerNormMLP.forward: ["_LayerNormMLP.apply", "_LayerNormMLP.forward"],
+    TELayerNormMLP.forward: ["_LayerNormMLP.apply", "_LayerNormMLP.forward", "self.prepare_forward(",
+                             "self.end_forward()"],
 }
 
 

@@ -1,11 +1,12 @@
 """Drop-in ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``, and model conversion.
 
 The three classes are TE's own, with one mixin in front. The mixin holds no
-workspace logic: it opens a :class:`ManagedCall` around TE's forward, and
-the seams plan each weight through the policy (see ``_seams.py``). The
-classes add no parameters, buffers, submodules or ``fp8_meta`` entries, so
-``state_dict`` and ``extra_state`` are exactly TE's and checkpoints move
-both ways between stock and drop-in modules.
+workspace logic and does not wrap ``forward``: TE's own ``forward`` runs,
+and the mixin only marks the module active between TE's ``prepare_forward``
+and ``end_forward``, where the seams plan each weight through the policy
+(see ``_seams.py``). The classes add no parameters, buffers, submodules or
+``fp8_meta`` entries, so ``state_dict`` and ``extra_state`` are exactly TE's
+and checkpoints move both ways between stock and drop-in modules.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from workspace_manager import PolicyMismatchError, Sharding, WorkspacePolicy, detect_fsdp2_sharding
+from workspace_manager import PolicyMismatchError, WorkspacePolicy
 
 from . import _compat as te
-from ._call import ACTIVE, ManagedCall
-from ._seams import install
+from . import _seams
+from ._seams import ACTIVE, install
 from ._shards import trim_sharded_parameters
+from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
 __all__ = [
     "Linear",
@@ -31,31 +33,39 @@ __all__ = [
     "managed_construction",
     "set_workspace_policy",
     "last_plans",
+    "workspace_state",
 ]
 
 
 class _ManagedModule:
-    """Mixin placed before a TE module class. It keeps no state of its own
-    beyond a few private attributes created lazily, so an existing TE
+    """Mixin placed before a TE module class. Its one piece of state is a
+    :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class."""
 
-    _te_wm_kind: ClassVar[str]
+    _wm_kind: ClassVar[ModuleKind]
+    #: The module's state; the class default None means "not made yet".
+    _wm_state: ModuleWorkspaceState | None = None
+    #: The token of this module's mark in ACTIVE while its TE forward runs.
+    _wm_token: Any = None
 
-    #: A policy pinned by the user (see :func:`set_workspace_policy`); None
-    #: lets the manager select one per call.
-    workspace_policy: WorkspacePolicy | None = None
+    def prepare_forward(self, inp: Any, *args: Any, **kwargs: Any) -> Any:
+        inp = super().prepare_forward(inp, *args, **kwargs)
+        # Inside a torch.compile trace TE's compiled path runs (Linear); it
+        # stays stock. Elsewhere the module is active until end_forward.
+        if not torch.compiler.is_compiling():
+            if not _seams.INSTALLED:  # the first managed call in the process
+                install()
+            if self._wm_state is None:
+                state_of(self)
+            self.__dict__["_wm_token"] = ACTIVE.set(self)
+        return inp
 
-    @te.no_torch_dynamo()
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        install()
-        call = ManagedCall(self, self._te_wm_kind)
-        token = ACTIVE.set(call)
-        try:
-            out = super().forward(*args, **kwargs)
-            call.commit()
-            return out
-        finally:
+    def end_forward(self) -> None:
+        token = self._wm_token
+        if token is not None:
+            self.__dict__["_wm_token"] = None
             ACTIVE.reset(token)
+        super().end_forward()
 
     def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
         super().reset_parameters(*args, **kwargs)
@@ -66,53 +76,42 @@ class _ManagedModule:
         trim_sharded_parameters(self)
 
     @property
-    def is_fsdp2(self) -> bool:
-        """TE's own FSDP2 flag, answered by the manager's detection: it never
-        sticks at a value seen before ``fully_shard``, and a composable
-        parent that is not FSDP2 does not crash it."""
-        return self._te_wm_sharding().is_fsdp2
+    def workspace_policy(self) -> WorkspacePolicy | None:
+        """The policy pinned on this module (see :func:`set_workspace_policy`);
+        None lets the manager select one per call."""
+        state = self._wm_state
+        return state.policy if state is not None else None
 
-    def _te_wm_sharding(self) -> Sharding:
-        """FSDP2 detection, once per module; done again only when FSDP2 state
-        is added or removed somewhere in the process."""
-        key = _fsdp2_state_count()
-        cached = self.__dict__.get("_te_wm_sharding_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        sharding = detect_fsdp2_sharding(self)
-        self.__dict__["_te_wm_sharding_cache"] = (key, sharding)
-        return sharding
+    @workspace_policy.setter
+    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
+        state_of(self).policy = policy
 
     @property
-    def _te_wm_last_plans(self) -> dict:
-        return self.__dict__.setdefault("_te_wm_plans", {})
-
-
-def _fsdp2_state_count() -> int:
-    import sys
-
-    state = sys.modules.get("torch.distributed._composable_state")
-    return len(state._module_state_mapping) if state is not None else 0
+    def is_fsdp2(self) -> bool:
+        """TE's own FSDP2 flag, answered from FSDP2's state for this module:
+        it follows ``fully_shard`` and ``set_reshard_after_forward``, and a
+        composable parent that is not FSDP2 does not crash it."""
+        return state_of(self).sharding(self).is_fsdp2
 
 
 class Linear(_ManagedModule, te.TELinear):
     """``te.Linear`` whose weight workspace follows a :class:`WorkspacePolicy`.
     Same constructor, defaults, state_dict and numerics as ``te.Linear``."""
 
-    _te_wm_kind = "linear"
+    _wm_kind = ModuleKind.LINEAR
 
 
 class LayerNormLinear(_ManagedModule, te.TELayerNormLinear):
     """``te.LayerNormLinear`` whose weight workspace follows a :class:`WorkspacePolicy`."""
 
-    _te_wm_kind = "lnl"
+    _wm_kind = ModuleKind.LAYERNORM_LINEAR
 
 
 class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
     """``te.LayerNormMLP`` whose FC1 and FC2 workspaces follow a :class:`WorkspacePolicy`
     (planned separately)."""
 
-    _te_wm_kind = "lnmlp"
+    _wm_kind = ModuleKind.LAYERNORM_MLP
 
 
 _DROP_INS: dict[type, type] = {te.TELinear: Linear, te.TELayerNormLinear: LayerNormLinear,
@@ -131,7 +130,7 @@ def _managed_class_for(cls: type) -> type | None:
         if issubclass(cls, te_cls):
             if cls not in _CONVERTED:
                 _CONVERTED[cls] = type(f"Managed{cls.__name__}", (_ManagedModule, cls),
-                                       {"_te_wm_kind": ours._te_wm_kind, "__module__": __name__})
+                                       {"_wm_kind": ours._wm_kind, "__module__": __name__})
             return _CONVERTED[cls]
     return None
 
@@ -188,8 +187,26 @@ def set_workspace_policy(module: torch.nn.Module, policy: WorkspacePolicy | None
 
 def last_plans(module: torch.nn.Module) -> dict:
     """``{weight key: (context, plan)}`` of the module's latest managed call,
-    for reviewers asking why a workspace is alive."""
-    return dict(module.__dict__.get("_te_wm_plans", {}))
+    for reviewers asking why a workspace is alive. Empty for a drop-in that
+    has not run a managed call yet."""
+    if not isinstance(module, _ManagedModule):
+        raise TypeError(
+            f"last_plans needs a te_integration module; {type(module).__name__} is not one. "
+            "Convert it first with te_integration.convert_model."
+        )
+    state = module._wm_state
+    return state.last_plans() if state is not None else {}
+
+
+def workspace_state(module: torch.nn.Module) -> ModuleWorkspaceState:
+    """The drop-in ``module``'s :class:`ModuleWorkspaceState` (made if needed):
+    its pinned policy, sharding, plans and memo, for tools and tests."""
+    if not isinstance(module, _ManagedModule):
+        raise TypeError(
+            f"workspace_state needs a te_integration module; {type(module).__name__} is not one. "
+            "Convert it first with te_integration.convert_model."
+        )
+    return state_of(module)
 
 
 @contextlib.contextmanager

@@ -1,30 +1,74 @@
 """The seams through which plans reach TE, installed once and gated.
 
-Two kinds, both gated by the active :class:`ManagedCall`, so stock TE
-modules (and managed calls TE handles itself) run TE's code unchanged:
+Which module is calling: a drop-in marks itself :data:`ACTIVE` in
+``prepare_forward`` and unmarks itself in ``end_forward``. TE calls both
+around exactly its own autograd Function (``module/linear.py``,
+``layernorm_linear.py``, ``layernorm_mlp.py``: ``prepare_forward`` before
+the ``try`` whose ``finally`` calls ``end_forward``), so a TE module called
+before or after that window, inside a user subclass's ``forward`` (a LoRA
+adapter, say), sees no active drop-in and is planned as itself: stock TE
+for a stock module, its own plan for a drop-in.
+
+Two kinds of seam, both gated by :data:`ACTIVE`, so stock TE modules (and
+managed calls TE handles itself) run TE's code unchanged:
 
 * ``quantize_weight`` in the globals of TE's three module files: carries
   the cache action and the forward usage for high-precision weights.
 * The autograd Functions ``_Linear``, ``_LayerNormLinear`` and
-  ``_LayerNormMLP`` (same names, so ``grad_fn`` names do not change): plan
-  each weight, set TE's ``is_fsdp2`` lever (whether the workspace is saved),
-  the in-backward clear and the rebuild quantizer on the autograd ctx, and
-  run the release after backward. See [Note: workspace lifetime] in
+  ``_LayerNormMLP`` (same names, so ``grad_fn`` names do not change): look
+  up each weight's :class:`~te_integration._state.Levers`, set TE's
+  ``is_fsdp2`` lever (whether the workspace is saved), the in-backward clear
+  and the rebuild quantizer on the autograd ctx, and run the release after
+  backward, also when backward raises. See [Note: workspace lifetime] in
   ``workspace_manager._policy`` for what each plan means.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
+from typing import Any
 
-from workspace_manager import CacheAction, RecomputePass, RecomputeScope, Usage
+from workspace_manager import CacheAction
 
 from . import _attribution
 from . import _compat as te
-from ._call import ACTIVE, ManagedCall, WeightSlot, passes_through, te_recompute_pass
+from ._state import Levers, ModuleKind, ModuleWorkspaceState
 
+#: The drop-in module whose TE forward is running (between its
+#: ``prepare_forward`` and ``end_forward``), or None.
+ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("te_wm_active_module", default=None)
+
+_LEDGER = _attribution.LEDGER
 _INSTALL_LOCK = threading.Lock()
-_INSTALLED = False
+#: Whether install() ran (read by the drop-ins before each call).
+INSTALLED = False
+
+
+def te_recompute_code() -> int:
+    """Where ``te.checkpoint`` says the call is: 0 none, 1 first pass, 2
+    recompute pass (TE sets its flags only while FP8 is on, the only time a
+    workspace exists)."""
+    if not te.is_fp8_activation_recompute_enabled():
+        return 0
+    return 2 if te.in_fp8_activation_recompute_phase() else 1
+
+
+def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cpu_offloading: bool,
+                   weights: tuple[Any, ...]) -> bool:
+    """Calls TE handles on its own: no FP8 (no workspace), debug quantizers,
+    FSDP1, CUDA-graph capture, CPU offload, distributed weights. Listed in
+    docs/te-integration.md."""
+    return (
+        not fp8
+        or bool(debug)
+        or fsdp_group is not None
+        or skip_update is not None
+        or bool(cpu_offloading)
+        or te.is_graph_capturing()
+        or te.is_distributed_weight(weights[0])
+        or (len(weights) > 1 and te.is_distributed_weight(weights[1]))
+    )
 
 
 # -- S1: quantize_weight ------------------------------------------------------
@@ -35,50 +79,51 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     The binding owns the cache: TE's ``workspace``/``cache`` arguments are
     ignored and no new workspace is returned, so TE never stores one.
     """
-    call = ACTIVE.get()
-    slot = call.slot_for(tensor) if call is not None else None
-    out, new = _quantize_weight(call, slot, tensor=tensor, quantizer=quantizer, workspace=workspace,
-                                update_workspace=update_workspace, skip_update_flag=skip_update_flag,
-                                fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
-    if _attribution.LEDGER.enabled and not isinstance(tensor, te.QuantizedTensorStorage):
-        if slot is None:  # a stock module: seen, not planned
+    module = ACTIVE.get()
+    levers = module._wm_state.slot_for(tensor) if module is not None else None
+    if levers is None or levers.is_quantized_param:
+        # Quantized parameters are never cached; TE only adds the usages
+        # their own quantizer holds. Everything unplanned is stock TE.
+        out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
+                                      update_workspace=update_workspace, skip_update_flag=skip_update_flag,
+                                      fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
+        if _LEDGER.enabled and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
             _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
                                            weight=tensor)
-        else:
-            _attribution.forward_workspace(call.module, slot.key, slot.plan, out,
-                                           from_cache=out is call.cached(slot.key))
-    return out, new
+        return out, new
+    out, hit = _planned_quantize(module, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
+    if _LEDGER.enabled:
+        _attribution.forward_workspace(module, levers.key, levers.plan, out, from_cache=hit)
+    return out, None
 
 
 managed_quantize_weight._te_wm_seam = True  # lets _compat tell our seam from a foreign patch
 
 
-def _quantize_weight(call, slot, *, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
-                     workspace_dtype, cache):
-    if slot is None or slot.is_quantized_param:
-        # Quantized parameters are never cached; TE only adds the usages
-        # their own quantizer holds. Everything unplanned is stock TE.
-        return te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
-                                  update_workspace=update_workspace, skip_update_flag=skip_update_flag,
-                                  fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
-    want_columnwise = Usage.COLUMNWISE in slot.plan.forward_usage
+def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
+    """Quantize a high-precision weight as its plan says; returns the
+    workspace and whether it came from the cache."""
+    state: ModuleWorkspaceState = module._wm_state
+    want_columnwise = levers.forward_columnwise
     quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
-    common = dict(tensor=tensor, quantizer=quantizer, skip_update_flag=skip_update_flag,
-                  fsdp_group=None, workspace_dtype=workspace_dtype)
-    action = slot.plan.cache
-    cached = call.cached(slot.key) if action is not CacheAction.BYPASS else None
-    usable = cached is not None and _usable(cached, tensor, quantizer, want_columnwise)
-    if usable and action in (CacheAction.REUSE, CacheAction.READ_ONLY, CacheAction.FILL):
-        # A hit: FILL refreshes in place (new weights), the others read as is.
-        out, _ = te.quantize_weight(workspace=cached, update_workspace=action is CacheAction.FILL, cache=False,
-                                    **common)
-        return out, None
-    if action in (CacheAction.FILL, CacheAction.REUSE):
-        out, new = te.quantize_weight(workspace=None, update_workspace=True, cache=True, **common)
-        call.pending_cache[slot.key] = new
-        return out, None
-    out, _ = te.quantize_weight(workspace=None, update_workspace=True, cache=False, **common)
-    return out, None
+    action = levers.cache
+    if action is not CacheAction.BYPASS:
+        cached = state.cached(module._fp8_workspaces, levers.key)
+        if cached is not None and _usable(cached, tensor, quantizer, want_columnwise):
+            # A hit: FILL refreshes in place (new weights), the others read as is.
+            out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached,
+                                        update_workspace=action is CacheAction.FILL,
+                                        skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+            return out, True
+        if action is not CacheAction.READ_ONLY:  # FILL or REUSE, missed: build and keep
+            out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None,
+                                          update_workspace=True, skip_update_flag=skip_update_flag,
+                                          workspace_dtype=workspace_dtype, cache=True)
+            state.fill(levers.key, new)
+            return out, False
+    out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+    return out, False
 
 
 def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
@@ -100,9 +145,25 @@ def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
 
 
 # -- S2: the autograd Functions ---------------------------------------------
-def _active(kind: str) -> ManagedCall | None:
-    call = ACTIVE.get()
-    return call if call is not None and call.kind == kind else None
+def _active(kind: ModuleKind) -> Any:
+    """The active drop-in, if it is of ``kind`` (a stock module's Function
+    never sees one: see the module docstring)."""
+    module = ACTIVE.get()
+    return module if module is not None and module._wm_kind is kind else None
+
+
+def _run_planned(module, weights: tuple, te_forward, *args):
+    """Run TE's forward with ``weights`` (tensor, levers, ...) in flight;
+    keep the workspaces it filled only if it returned."""
+    state: ModuleWorkspaceState = module._wm_state
+    state.weights = weights
+    try:
+        out = te_forward(*args)
+        state.commit(module._fp8_workspaces)
+        return out
+    finally:
+        state.weights = ()
+        state.pending = None
 
 
 class _Linear(te.LinearFunction):
@@ -110,26 +171,24 @@ class _Linear(te.LinearFunction):
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
-        call = _active("linear")
-        if call is None or passes_through(
-            fp8=fwd_args.fp8, debug=fwd_args.debug, fsdp_group=fwd_args.fsdp_group,
-            skip_update=fwd_args.skip_fp8_weight_update, cpu_offloading=fwd_args.cpu_offloading, weights=(weight,),
-        ):
+        module = _active(ModuleKind.LINEAR)
+        if module is None or passes_through(fwd_args.fp8, fwd_args.debug, fwd_args.fsdp_group,
+                                            fwd_args.skip_fp8_weight_update, fwd_args.cpu_offloading, (weight,)):
             return _observed(ctx, None, te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args))
-        slot = call.plan_weight(
-            "weight", weight, fwd_args.weight_quantizer, grad=fwd_args.is_grad_enabled,
-            input_requires_grad=fwd_args.input_requires_grad, is_first_microbatch=fwd_args.is_first_microbatch,
-            backward_override=fwd_args.backward_override, recompute=te_recompute_pass(),
+        levers = module._wm_state.levers(
+            module, "weight", weight, fwd_args.weight_quantizer, fwd_args.is_grad_enabled,
+            fwd_args.input_requires_grad, fwd_args.is_first_microbatch, fwd_args.backward_override,
+            te_recompute_code(), False,
         )
-        fwd_args.is_fsdp2 = slot.drops_workspace
-        out = te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args)
+        fwd_args.is_fsdp2 = levers.drops_workspace
+        out = _run_planned(module, (weight, levers), te.LinearFunction.forward, ctx, weight, inp, bias, fwd_args)
         if ctx is not None:
             bwd = ctx.backward_objects
-            bwd.is_fsdp2 = slot.te_clear
-            if slot.no_backward_quantizer:
+            bwd.is_fsdp2 = levers.te_clear
+            if levers.no_backward_quantizer:
                 bwd.weight_quantizer = None
-            ctx._te_wm_record = call.release_record([slot])
-        return _observed(ctx, call.module, out)
+            ctx._te_wm_release = _release_record(module, (weight, levers))
+        return _observed(ctx, module, out)
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
@@ -141,24 +200,24 @@ class _LayerNormLinear(te.LNLFunction):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, non_tensor_args):
-        call, a = _active("lnl"), te.LNL_ARGS
+        module, a = _active(ModuleKind.LAYERNORM_LINEAR), te.LNL_ARGS
         nta = non_tensor_args
-        if call is None or _passes_through_tuple(nta, a, (weight,)):
+        if module is None or _passes_through_tuple(nta, a, (weight,)):
             out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
             return _observed(ctx, None, out)
-        slot = call.plan_weight(
-            "weight", weight, nta[a["weight_quantizer"]], grad=nta[a["is_grad_enabled"]],
-            input_requires_grad=True, is_first_microbatch=nta[a["is_first_microbatch"]],
-            backward_override=_recipe_backward_override(), recompute=te_recompute_pass(),
+        levers = module._wm_state.levers(
+            module, "weight", weight, nta[a["weight_quantizer"]], nta[a["is_grad_enabled"]], True,
+            nta[a["is_first_microbatch"]], _recipe_backward_override(), te_recompute_code(), False,
         )
-        nta = _replace_at(nta, a["is_fsdp2"], slot.drops_workspace)
-        out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
+        nta = _replace_at(nta, a["is_fsdp2"], levers.drops_workspace)
+        out = _run_planned(module, (weight, levers), te.LNLFunction.forward, ctx, inp, ln_weight, ln_bias, weight,
+                           weight_workspace, bias, nta)
         if ctx is not None and nta[a["is_grad_enabled"]]:
-            ctx.is_fsdp2 = slot.te_clear
-            if slot.no_backward_quantizer:
+            ctx.is_fsdp2 = levers.te_clear
+            if levers.no_backward_quantizer:
                 ctx.weight_quantizer = None
-            ctx._te_wm_record = call.release_record([slot])
-        return _observed(ctx, call.module, out)
+            ctx._te_wm_release = _release_record(module, (weight, levers))
+        return _observed(ctx, module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -173,64 +232,66 @@ class _LayerNormMLP(te.LNMLPFunction):
     def _forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, non_tensor_args):
         nta, a = non_tensor_args, te.LNMLP_ARGS
         recompute = bool(nta[a["recompute_for_bwd"]])
-        call = getattr(ctx, "_te_wm_call", None) if recompute else _active("lnmlp")
-        if call is None or _passes_through_tuple(nta, a, (fc1_w, fc2_w)):
+        module = getattr(ctx, "_te_wm_module", None) if recompute else _active(ModuleKind.LAYERNORM_MLP)
+        if module is None or _passes_through_tuple(nta, a, (fc1_w, fc2_w)):
             out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
             return out if recompute else _observed(ctx, None, out)
-        slots = _plan_mlp(call, nta, fc1_w, fc2_w)
-        nta = _replace_at(nta, a["is_fsdp2"], all(s.drops_workspace for s in slots))
-        token = ACTIVE.set(call) if recompute else None  # backward thread: no context variable there
+        weights = _plan_mlp(module, nta, fc1_w, fc2_w)
+        nta = _replace_at(nta, a["is_fsdp2"], weights[1].drops_workspace and weights[3].drops_workspace)
+        token = ACTIVE.set(module) if recompute else None  # backward thread: not inside the module's window
         try:
-            out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            out = _run_planned(module, weights, te.LNMLPFunction._forward, ctx, inp, ln_w, ln_b, fc1_w, fc1_ws,
+                               fc1_b, fc2_w, fc2_ws, fc2_b, nta)
         finally:
             if token is not None:
                 ACTIVE.reset(token)
-        _edit_mlp_ctx(ctx, call, slots, nta, recompute)
-        return out if recompute else _observed(ctx, call.module, out)
+        _edit_mlp_ctx(ctx, module, weights, nta, recompute)
+        return out if recompute else _observed(ctx, module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        result = _backward(ctx, te.LNMLPFunction.backward, *grad_outputs)
-        ctx._te_wm_call = None
-        return result
+        try:
+            return _backward(ctx, te.LNMLPFunction.backward, *grad_outputs)
+        finally:
+            ctx._te_wm_module = None
 
 
-def _plan_mlp(call: ManagedCall, nta: tuple, fc1_w, fc2_w) -> list[WeightSlot]:
+def _plan_mlp(module, nta: tuple, fc1_w, fc2_w) -> tuple:
+    """(fc1 weight, its levers, fc2 weight, its levers) for this call."""
     a = te.LNMLP_ARGS
     grad, own_checkpoint = bool(nta[a["is_grad_enabled"]]), bool(nta[a["checkpoint"]])
-    recompute, scope = te_recompute_pass(), RecomputeScope.REGION
+    recompute, module_scope = te_recompute_code(), False
     if own_checkpoint and grad:
         # The module's own checkpoint: its first pass saves inputs only, like
         # a reentrant checkpoint's first pass, so it is planned as one; its
         # recompute pass hands what it builds straight to backward.
-        recompute = RecomputePass.RECOMPUTE if nta[a["recompute_for_bwd"]] else RecomputePass.FIRST
-        grad, scope = recompute is RecomputePass.RECOMPUTE, RecomputeScope.MODULE
-    common = dict(grad=grad, input_requires_grad=True, is_first_microbatch=nta[a["is_first_microbatch"]],
-                  backward_override=None, recompute=recompute, scope=scope)
-    return [
-        call.plan_weight("fc1_weight", fc1_w, nta[a["fc1_weight_quantizer"]], **common),
-        call.plan_weight("fc2_weight", fc2_w, nta[a["fc2_weight_quantizer"]], **common),
-    ]
+        recompute = 2 if nta[a["recompute_for_bwd"]] else 1
+        grad, module_scope = recompute == 2, True
+    state: ModuleWorkspaceState = module._wm_state
+    first = nta[a["is_first_microbatch"]]
+    fc1 = state.levers(module, "fc1_weight", fc1_w, nta[a["fc1_weight_quantizer"]], grad, True, first, None,
+                       recompute, module_scope)
+    fc2 = state.levers(module, "fc2_weight", fc2_w, nta[a["fc2_weight_quantizer"]], grad, True, first, None,
+                       recompute, module_scope)
+    return (fc1_w, fc1, fc2_w, fc2)
 
 
-def _edit_mlp_ctx(ctx, call: ManagedCall, slots: list[WeightSlot], nta: tuple, recompute: bool) -> None:
+def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> None:
     a = te.LNMLP_ARGS
     if ctx is None or not nta[a["is_grad_enabled"]]:
         return
     if recompute or not nta[a["checkpoint"]]:
         # TE's ctx block ran: its clear flag is shared by FC1 and FC2, so it
-        # is set only when both plans want it; release() covers the rest.
-        ctx.is_fsdp2 = all(s.te_clear for s in slots)
-        ctx._te_wm_record = call.release_record(slots)
+        # is set only when both plans want it; the release covers the rest.
+        ctx.is_fsdp2 = weights[1].te_clear and weights[3].te_clear
+        ctx._te_wm_release = _release_record(module, weights)
     if not recompute and nta[a["checkpoint"]]:
-        ctx._te_wm_call = call  # read again by the module's own recompute in backward
+        ctx._te_wm_module = module  # read again by the module's own recompute in backward
 
 
 def _passes_through_tuple(nta: tuple, a: dict, weights: tuple) -> bool:
-    return passes_through(
-        fp8=nta[a["fp8"]], debug=nta[a["debug"]], fsdp_group=nta[a["fsdp_group"]],
-        skip_update=nta[a["skip_fp8_weight_update"]], cpu_offloading=nta[a["cpu_offloading"]], weights=weights,
-    )
+    return passes_through(nta[a["fp8"]], nta[a["debug"]], nta[a["fsdp_group"]], nta[a["skip_fp8_weight_update"]],
+                          nta[a["cpu_offloading"]], weights)
 
 
 def _replace_at(values: tuple, index: int, value) -> tuple:
@@ -242,41 +303,64 @@ def _recipe_backward_override() -> str | None:
     return getattr(recipe, "backward_override", None)
 
 
-def _release(ctx) -> None:
-    record = getattr(ctx, "_te_wm_record", None)
-    ctx._te_wm_record = None
-    if record is not None:
-        record.release()
+# -- after backward -----------------------------------------------------------------
+def _release_record(module, weights: tuple) -> tuple | None:
+    """What to release once this call's backward is done, kept on the
+    autograd ctx (backward never reads :data:`ACTIVE`: autograd may run it
+    on another thread). None, the common case, costs nothing."""
+    if not (weights[1].releases or (len(weights) > 2 and weights[3].releases)):
+        return None
+    items = tuple((weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases)
+    return (module, items)
+
+
+def _release(record: tuple) -> None:
+    module, items = record
+    for tensor, levers in items:
+        if levers.release_columnwise and isinstance(tensor, te.QuantizedTensorStorage):
+            te.clear_columnwise_cache(tensor)
+        if levers.release_cache:
+            from ._steps import release_after_step
+
+            release_after_step(module, levers.key)
 
 
 def _backward(ctx, te_backward, *grads):
-    """TE's backward, then the plan's release; marked on a recording's timeline."""
-    _attribution.backward_mark(ctx, "start")
-    result = te_backward(ctx, *grads)
-    _release(ctx)
-    _attribution.backward_mark(ctx, "end")
-    return result
+    """TE's backward, then the plan's release, also when TE's backward raises
+    (a failed step must not leave cached or derived data behind)."""
+    marking = _attribution.marks_backward(ctx)
+    if marking:
+        _attribution.backward_mark(ctx, "start")
+    try:
+        return te_backward(ctx, *grads)
+    finally:
+        record = getattr(ctx, "_te_wm_release", None)
+        if record is not None:
+            ctx._te_wm_release = None
+            _release(record)
+        if marking:
+            _attribution.backward_mark(ctx, "end")
 
 
 def _observed(ctx, module, out):
     """While recording, remember whose backward ``ctx`` is (stock modules
     are named by the recording's forward hooks)."""
-    if ctx is not None and _attribution.LEDGER.enabled:
+    if _LEDGER.enabled and ctx is not None:
         _attribution.tag(ctx, module if module is not None else _attribution.current_module())
     return out
 
 
 def install() -> None:
     """Put the seams into TE's module globals, once per process."""
-    global _INSTALLED
-    if _INSTALLED:  # every managed forward asks; only the first one pays for the lock
+    global INSTALLED
+    if INSTALLED:
         return
     with _INSTALL_LOCK:
-        if _INSTALLED:
+        if INSTALLED:
             return
         for module in (te.linear_module, te.lnl_module, te.lnmlp_module):
             module.quantize_weight = managed_quantize_weight
         te.linear_module._Linear = _Linear
         te.lnl_module._LayerNormLinear = _LayerNormLinear
         te.lnmlp_module._LayerNormMLP = _LayerNormMLP
-        _INSTALLED = True
+        INSTALLED = True

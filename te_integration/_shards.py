@@ -13,11 +13,7 @@ optimizer step (optimizers rewrite the parameters).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
-
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from workspace_manager import (
     BackwardOverride,
@@ -31,22 +27,23 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-
-_TRACKED: weakref.WeakSet = weakref.WeakSet()
-_LOCK = threading.Lock()
-_HOOK: Any = None
+from ._state import state_of
+from ._steps import add_step_task, track, tracked
 
 
-def trim_sharded_parameters(module: Any) -> int:
+def trim_sharded_parameters(module: Any, *, only_regrown: bool = False) -> int:
     """Drop what the policy says the module's sharded quantized parameters
-    need not keep. Returns how many parameters were trimmed."""
-    sharding = module._te_wm_sharding()
-    if not sharding.is_fsdp2:
+    need not keep. Returns how many parameters were trimmed. With
+    ``only_regrown``, a shard is touched only if its columnwise data
+    reappeared (the check at every optimizer step)."""
+    if not state_of(module).sharding(module).is_fsdp2:
         return 0
     trimmed = 0
     for param in module.parameters(recurse=False):
         local = getattr(param, "_local_tensor", None)  # the shard of a DTensor parameter
         if not isinstance(local, te.QuantizedTensorStorage):
+            continue
+        if only_regrown and not _has_columnwise(local):
             continue
         keeps = parameter_plan(module, local._quantizer).parameter_keeps
         if Usage.COLUMNWISE in keeps:
@@ -61,24 +58,26 @@ def trim_sharded_parameters(module: Any) -> int:
     return trimmed
 
 
+def _has_columnwise(local: Any) -> bool:
+    try:
+        return bool(local.get_usages().get("columnwise", True))
+    except (AttributeError, NotImplementedError):
+        return True  # cannot tell: trim as before
+
+
 def parameter_plan(module: Any, quantizer: Any) -> Any:
     """The drop-in ``module``'s plan for a training call on a quantized
     parameter made by ``quantizer`` (what its shards keep, what is released)."""
-    _, plan = plan_call(module.workspace_policy, quantizer_capabilities(quantizer), module._te_wm_sharding(),
+    state = state_of(module)
+    _, plan = plan_call(state.policy, quantizer_capabilities(quantizer), state.sharding(module),
                         RecomputePass.NONE, RecomputeScope.REGION, True, True, WeightSource.QUANTIZED_PARAM,
                         Microbatch.NONE, BackwardOverride.NONE)
     return plan
 
 
-def track(module: Any) -> None:
-    """Trim ``module`` again after every optimizer step from now on."""
-    global _HOOK
-    with _LOCK:
-        _TRACKED.add(module)
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+def _retrim_tracked() -> None:
+    for module in tracked():
+        trim_sharded_parameters(module, only_regrown=True)
 
 
-def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    for module in list(_TRACKED):
-        trim_sharded_parameters(module)
+add_step_task(_retrim_tracked)

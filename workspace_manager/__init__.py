@@ -28,7 +28,7 @@ from ._errors import (
     UnknownQuantizerError,
     WorkspaceManagerError,
 )
-from ._fsdp2 import detect_fsdp2_sharding
+from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, probe_fsdp2_sharding
 from ._ledger import (
     Lifetime,
     LiveWorkspace,
@@ -100,6 +100,8 @@ __all__ = [
     "buffers_of",
     # detection
     "detect_fsdp2_sharding",
+    "probe_fsdp2_sharding",
+    "ShardingProbe",
     # quantizer registry and TE profiles
     "QuantizerRegistry",
     "ENTRY_POINT_GROUP",

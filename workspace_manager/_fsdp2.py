@@ -57,7 +57,7 @@ from ._errors import ContextTypeError, InvalidContextError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["detect_fsdp2_sharding"]
+__all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding"]
 
 # FSDP2's home module: torch >= 2.6, and torch 2.4/2.5.
 _FSDP2_PACKAGES = (
@@ -81,15 +81,64 @@ def detect_fsdp2_sharding(
     Raises :class:`ContextTypeError` when ``module`` or ``root`` is not an
     ``nn.Module``.
     """
+    return probe_fsdp2_sharding(module, root).read()
+
+
+class ShardingProbe:
+    """Where FSDP2 keeps the answer for one module, read afresh on each call.
+
+    Finding the parameter groups that own a module walks every FSDP2 state;
+    reading whether they reshard after forward is one attribute per group.
+    A binding asks on every call, so it keeps a probe per module and reads
+    it: the answer follows ``set_reshard_after_forward`` at once, in both
+    directions. :meth:`stale` says when new FSDP2 states exist in the
+    process (``fully_shard`` was applied since), so that the groups must be
+    found again; it never decides the answer.
+    """
+
+    __slots__ = ("_owners", "_root", "_managed", "_mapping", "_count")
+
+    def __init__(self, owners: list[tuple[Any, Any]], root: Any, managed: dict[Any, Any],
+                 mapping: Any) -> None:
+        self._owners = owners
+        self._root = root
+        self._managed = managed
+        self._mapping = mapping
+        self._count = len(mapping) if mapping is not None else 0
+
+    def read(self) -> Sharding:
+        """The sharding now: NONE when no FSDP2 group owns the weight."""
+        if not self._owners:
+            return Sharding.NONE
+        return _decide(self._owners, self._root, self._managed)
+
+    def stale(self) -> bool:
+        """Whether FSDP2 state was added or removed since the probe was made."""
+        if self._mapping is None:  # FSDP2 was not imported then; two dict lookups
+            modules = sys.modules
+            return _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules
+        return len(self._mapping) != self._count
+
+
+def probe_fsdp2_sharding(module: torch.nn.Module, root: torch.nn.Module | None = None) -> ShardingProbe:
+    """A :class:`ShardingProbe` for ``module`` (arguments as
+    :func:`detect_fsdp2_sharding`, which is ``probe_fsdp2_sharding(...).read()``)."""
     _require_module("module", module)
     if root is not None:
         _require_module("root", root)
     api = _fsdp2_api()
     if api is None:
-        return Sharding.NONE
+        return ShardingProbe([], root, {}, None)
     managed = _fsdp2_modules(api)
+    return ShardingProbe(_owning_groups(module, root, managed, api), root, managed, api.mapping)
+
+
+def _owning_groups(module: Any, root: Any, managed: dict[Any, Any], api: SimpleNamespace) -> list[tuple[Any, Any]]:
+    """The (state, parameter group) pairs whose resharding decides for
+    ``module``: the groups holding its own parameters, else (a module
+    without parameters of its own) the closest FSDP2 module's groups."""
     if not managed:
-        return Sharding.NONE
+        return []
     owners = [
         (state, group)
         for state in _distinct(managed.values())
@@ -97,17 +146,17 @@ def detect_fsdp2_sharding(
         if _group_holds(group, module)
     ]
     if owners:
-        return _decide(owners, root, managed)
+        return owners
     if any(True for _ in module.parameters(recurse=False)):
         # Its own weight is outside FSDP2 (ignored_params, replicate, or no
         # FSDP2 at all): whole on every rank, whatever its ancestors do.
-        return Sharding.NONE
+        return []
     own = [managed[module]] if module in managed else []
     for state in own + _ancestor_states(module, root, managed):
         groups = _sharded_groups(state, api)
         if groups:
-            return _decide([(state, g) for g in groups], root, managed)
-    return Sharding.NONE
+            return [(state, g) for g in groups]
+    return []
 
 
 def _require_module(name: str, value: Any) -> None:

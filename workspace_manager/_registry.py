@@ -93,6 +93,9 @@ class QuantizerRegistry:
         #: same few classes on every module call; any change of the entries
         #: empties it.
         self._by_class: dict[type, _Entry] = {}
+        #: Bumped by every change of the entries, so that a binding's memo
+        #: of plans per quantizer class knows when to forget them.
+        self.generation = 0
         self.entry_point_group = entry_point_group
         self._plugins_pending = entry_point_group is not None
         self._plugins_loaded: list[str] = []
@@ -122,6 +125,7 @@ class QuantizerRegistry:
                 )
             self._entries[key] = _Entry(key, capabilities, origin or self._origin)
             self._by_class.clear()
+            self.generation += 1
 
     def unregister(self, quantizer: type | str) -> None:
         self.load_entry_points()
@@ -130,6 +134,7 @@ class QuantizerRegistry:
             raise UnknownQuantizerError(f"Quantizer {key} is not registered; nothing to unregister.")
         del self._entries[key]
         self._by_class.clear()
+        self.generation += 1
 
     def lookup(self, quantizer: Any) -> QuantizerCapabilities:
         """Capabilities of a quantizer instance (or class), walking its MRO."""
@@ -140,6 +145,20 @@ class QuantizerRegistry:
             entry = self._walk(cls)
             self._by_class[cls] = entry
         return _resolve(entry, quantizer)
+
+    def capabilities_key(self, quantizer: Any) -> Any:
+        """What the capabilities of ``quantizer`` depend on: its class when
+        the class was registered with fixed capabilities, else the
+        capabilities computed from the instance. Memos of per-call plans key
+        on this (and on :attr:`generation`) instead of hashing the
+        capabilities on every call."""
+        self.load_entry_points()
+        cls = type(quantizer)
+        entry = self._by_class.get(cls)
+        if entry is None:
+            entry = self._walk(cls)
+            self._by_class[cls] = entry
+        return cls if isinstance(entry.source, QuantizerCapabilities) else _resolve(entry, quantizer)
 
     def _walk(self, cls: type) -> _Entry:
         for base in cls.__mro__:

@@ -235,6 +235,38 @@ def outside_root_rows(mesh) -> list[dict]:
              "got": got, "passed": got == "InvalidContextError"}]
 
 
+def toggle_rows(mesh) -> list[dict]:
+    """A probe made once follows ``set_reshard_after_forward`` in both
+    directions, before and after FSDP2's lazy init (a binding keeps one
+    probe per module and reads it on every call)."""
+    from workspace_manager import probe_fsdp2_sharding
+
+    model = nn.Sequential(lin(), lin())
+    fully_shard(model[0], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    probe = probe_fsdp2_sharding(model[0])
+    rows = []
+
+    def row(phase: str, want: Sharding) -> None:
+        got = probe.read().value
+        rows.append({"case": "toggle", "leaf": "0", "phase": phase, "expected": want.value, "got": got,
+                     "passed": got == want.value})
+
+    row("before", R)
+    model(torch.randn(4, DIM)).sum().backward()
+    row("after_first_step", R)
+    for toggle, want in ((False, K), (True, R), (False, K)):
+        model.set_reshard_after_forward(toggle)  # recurses into model[0]'s state
+        row(f"set_reshard_after_forward({toggle})", want)
+        model(torch.randn(4, DIM)).sum().backward()
+        row(f"trained after set({toggle})", want)
+    stale = probe.stale()
+    fully_shard(nn.Linear(DIM, DIM), mesh=mesh)  # a new FSDP2 state elsewhere
+    rows.append({"case": "toggle", "leaf": "0", "phase": "stale", "expected": "False then True",
+                 "got": f"{stale} then {probe.stale()}", "passed": (stale, probe.stale()) == (False, True)})
+    return rows
+
+
 def main() -> int:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
@@ -254,6 +286,7 @@ def main() -> int:
                 rows.append({"case": name, "leaf": "*", "phase": "setup", "expected": "no error",
                              "got": f"{type(exc).__name__}: {exc}", "passed": False})
     rows.extend(outside_root_rows(mesh))
+    rows.extend(toggle_rows(mesh))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "skipped": skipped})
     failed = sum(not row["passed"] for part in gathered for row in part["rows"])

@@ -79,22 +79,21 @@ def binding(monkeypatch):
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
     }
-    modules = load_binding(monkeypatch, compat, "_attribution", "_call", "_seams")
+    modules = load_binding(monkeypatch, compat, "_attribution", "_state", "_seams")
     _LinearFunction.seen.clear()
     _MLPFunction.seen.clear()
-    return SimpleNamespace(phase=phase, call=modules["_call"], seams=modules["_seams"])
+    return SimpleNamespace(phase=phase, state=modules["_state"], seams=modules["_seams"])
 
 
-class _Module:
-    """The little of a drop-in module that ManagedCall reads."""
+def _module(binding, kind: str, sharding: Sharding):
+    """The little of a drop-in module the seams read: its kind, its state
+    (whose sharding reads as given, as FSDP2's state would) and its cache."""
 
-    workspace_policy = None
-
-    def __init__(self, sharding: Sharding) -> None:
-        self._sharding, self._fp8_workspaces, self._te_wm_last_plans = sharding, {}, {}
-
-    def _te_wm_sharding(self) -> Sharding:
-        return self._sharding
+    probe = SimpleNamespace(read=lambda: sharding, stale=lambda: False)
+    kinds = binding.state.ModuleKind
+    kind = {"linear": kinds.LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
+    state = binding.state.ModuleWorkspaceState(kind, probe=probe)
+    return SimpleNamespace(_wm_kind=kind, _wm_state=state, _fp8_workspaces={})
 
 
 def _in_te_checkpoint(binding, recompute: bool) -> None:
@@ -104,9 +103,8 @@ def _in_te_checkpoint(binding, recompute: bool) -> None:
 def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD):
     """One managed Linear call through the seam: its slot's plan, and the
     ``is_fsdp2`` levers set for TE's forward and backward."""
-    module = _Module(sharding)
-    call = binding.call.ManagedCall(module, "linear")
-    token = binding.call.ACTIVE.set(call)
+    module = _module(binding, "linear", sharding)
+    token = binding.seams.ACTIVE.set(module)
     try:
         fwd_args = SimpleNamespace(fp8=True, debug=False, fsdp_group=None, skip_fp8_weight_update=None,
                                    cpu_offloading=False, weight_quantizer=quantizer(), is_grad_enabled=True,
@@ -115,8 +113,8 @@ def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD):
         ctx = SimpleNamespace()
         binding.seams._Linear.forward(ctx, object(), "x", None, fwd_args)
     finally:
-        binding.call.ACTIVE.reset(token)
-    ctx_plan = module._te_wm_last_plans["weight"]
+        binding.seams.ACTIVE.reset(token)
+    ctx_plan = module._wm_state.last_plans()["weight"]
     return ctx_plan, _LinearFunction.seen[-1], ctx.backward_objects.is_fsdp2
 
 
@@ -167,14 +165,15 @@ def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, check
                                                                    in_te_checkpoint, expected):
     if in_te_checkpoint:
         _in_te_checkpoint(binding, recompute=True)
-    module = _Module(Sharding.FSDP2_RESHARD)
-    call = binding.call.ManagedCall(module, "lnmlp")
+    module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
     nta = _mlp_nta(DELAYED, checkpoint=checkpoint, recompute_for_bwd=recompute_for_bwd)
-    slots = binding.seams._plan_mlp(call, nta, object(), object())
-    for slot in slots:
-        ctx, plan = module._te_wm_last_plans[slot.key]
+    weights = binding.seams._plan_mlp(module, nta, object(), object())
+    slots = weights[1::2]
+    plans = module._wm_state.last_plans()
+    assert set(plans) == {"fc1_weight", "fc2_weight"}
+    for ctx, plan in plans.values():
         assert (ctx.recompute, ctx.recompute_scope, ctx.grad_enabled) == expected
-    sources = {module._te_wm_last_plans[s.key][1].backward_source for s in slots}
+    sources = {plan.backward_source for _, plan in plans.values()}
     if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.MODULE):
         assert sources == {BackwardSource.SAVED_WORKSPACE}
         assert not any(s.drops_workspace for s in slots)

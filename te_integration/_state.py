@@ -1,0 +1,264 @@
+"""The one typed object a drop-in module keeps: its workspace state.
+
+Everything the binding remembers about a module lives in its
+:class:`ModuleWorkspaceState`: the pinned policy, the probe that reads the
+module's FSDP2 sharding, the memo of TE levers per call shape, the plans of
+the latest call, and the workspaces a call is filling. The module holds it
+as ``_wm_state``; nothing else of ours is stored on the module.
+
+Why a memo of levers: a training step repeats a handful of call shapes.
+The first call of each shape builds a :class:`WorkspaceContext`, asks the
+policy and turns the plan into :class:`Levers`, the few values TE's code
+reads; every later call of that shape is one dictionary lookup. The plan
+stays reachable from its levers, for :func:`last_plans`, ``explain`` and
+attribution. Sound because policies are frozen and pure, and the key holds
+everything a context is built from (``default_registry.generation`` voids
+the memo when quantizer registrations change).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from workspace_manager import (
+    BackwardOverride,
+    BackwardSource,
+    CacheAction,
+    Microbatch,
+    RecomputePass,
+    RecomputeScope,
+    Release,
+    Sharding,
+    ShardingProbe,
+    Usage,
+    WeightSource,
+    WorkspaceContext,
+    WorkspacePlan,
+    WorkspacePolicy,
+    default_registry,
+    plan_call,
+    probe_fsdp2_sharding,
+    quantizer_capabilities,
+)
+
+from . import _compat as te
+from ._steps import track
+
+__all__ = ["ModuleKind", "Levers", "ModuleWorkspaceState", "state_of", "levers_from_plan"]
+
+
+class ModuleKind(enum.Enum):
+    """Which TE module a drop-in is; the autograd Function seams check it."""
+
+    LINEAR = "linear"
+    LAYERNORM_LINEAR = "layernorm_linear"
+    LAYERNORM_MLP = "layernorm_mlp"
+
+
+#: Recompute codes the seams compute from TE's flags (ints: cheap to hash).
+RECOMPUTE_CODES = (RecomputePass.NONE, RecomputePass.FIRST, RecomputePass.RECOMPUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class Levers:
+    """What one weight's plan turns into for TE, for one call shape."""
+
+    key: str
+    context: WorkspaceContext
+    plan: WorkspacePlan
+    is_quantized_param: bool
+    #: Forward quantizes columnwise data too (high-precision weights).
+    forward_columnwise: bool
+    cache: CacheAction
+    #: TE's ``is_fsdp2`` in forward: True makes TE save no workspace.
+    drops_workspace: bool
+    #: TE's in-backward ``clear_columnwise_cache`` on the weight dgrad read.
+    te_clear: bool
+    #: ``backward_override="high_precision"``: TE must not rebuild a quantized weight.
+    no_backward_quantizer: bool
+    #: After backward: clear the quantized parameter's derived columnwise data.
+    release_columnwise: bool
+    #: After backward: mark the cached workspace for release after the step.
+    release_cache: bool
+    #: Either release: the call's backward has something to do.
+    releases: bool
+
+
+def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -> Levers:
+    """The TE levers that carry out ``plan`` (a pure function of the plan)."""
+    is_qp = context.is_quantized_param
+    source = plan.backward_source
+    rebuilds = source is BackwardSource.REQUANTIZE
+    release_columnwise = is_qp and Release.DERIVED_COLUMNWISE in plan.release
+    release_cache = Release.CACHED_WORKSPACE in plan.release
+    return Levers(
+        key=key,
+        context=context,
+        plan=plan,
+        is_quantized_param=is_qp,
+        forward_columnwise=Usage.COLUMNWISE in plan.forward_usage,
+        cache=plan.cache,
+        drops_workspace=not is_qp and source in (BackwardSource.REQUANTIZE, BackwardSource.HIGH_PRECISION,
+                                                 BackwardSource.NONE),
+        # A rebuilt temporary is freed early (lower backward peak); a derived
+        # cache on a quantized parameter is cleared by TE; never a cached workspace.
+        te_clear=rebuilds or (is_qp and Release.DERIVED_COLUMNWISE in plan.release),
+        no_backward_quantizer=source is BackwardSource.HIGH_PRECISION,
+        release_columnwise=release_columnwise,
+        release_cache=release_cache,
+        releases=release_columnwise or release_cache,
+    )
+
+
+class ModuleWorkspaceState:
+    """A drop-in module's workspace state (see the module docstring).
+
+    Per-call fields (``weights``, ``pending``) are filled by the seams inside
+    one module call and emptied when it ends; a module call never runs inside
+    another call of the same module.
+    """
+
+    __slots__ = ("kind", "_policy", "_probe", "_memo", "_generation", "_quantizer_keys", "_last", "weights",
+                 "pending")
+
+    def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
+                 probe: ShardingProbe | None = None) -> None:
+        """``probe``: how to read the module's sharding (default: made from
+        FSDP2's state at the first call); anything with ``read()`` and
+        ``stale()``, e.g. for describing a sharding without FSDP2."""
+        self.kind = kind
+        self._policy = policy
+        self._probe = probe
+        self._memo: dict[tuple, Levers] = {}
+        self._generation = default_registry.generation
+        #: quantizer class -> what its capabilities depend on (the class itself
+        #: for fixed capabilities; absent for instance-dependent ones).
+        self._quantizer_keys: dict[type, type] = {}
+        self._last: dict[str, Levers] = {}
+        #: The weights of the call in flight, with their levers: (tensor, levers, ...).
+        self.weights: tuple = ()
+        #: Workspaces this call filled, stored in the module's cache only
+        #: when the forward GEMMs returned: a failed call leaves the cache as it was.
+        self.pending: dict[str, Any] | None = None
+
+    def __reduce__(self):
+        # Copies and pickles keep the pinned policy only: probes point at
+        # FSDP2 state and levers at this process's plans.
+        return (ModuleWorkspaceState, (self.kind, self._policy))
+
+    # -- policy -----------------------------------------------------------------
+    @property
+    def policy(self) -> WorkspacePolicy | None:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: WorkspacePolicy | None) -> None:
+        self._policy = policy
+        self._memo.clear()
+
+    # -- sharding -----------------------------------------------------------------
+    def sharding(self, module: Any) -> Sharding:
+        """The module's sharding now, read from FSDP2's own state (the
+        same read as :meth:`levers` does inline)."""
+        probe = self._probe
+        if probe is None or probe.stale():
+            probe = self._probe = probe_fsdp2_sharding(module)
+        return probe.read()
+
+    # -- levers -------------------------------------------------------------------
+    def levers(self, module: Any, key: str, weight: Any, quantizer: Any, grad: bool, input_requires_grad: bool,
+               is_first_microbatch: bool | None, backward_override: str | None, recompute: int,
+               module_scope: bool) -> Levers:
+        """The levers for this weight in this call: a memo lookup, or the
+        full planning path for the first call of a shape."""
+        is_qp = isinstance(weight, te.QuantizedTensorStorage)
+        source = weight._quantizer if is_qp else quantizer
+        if default_registry.generation != self._generation:
+            self._forget()
+        caps_key = self._quantizer_keys.get(type(source))
+        if caps_key is None:
+            caps_key = default_registry.capabilities_key(source)
+            if caps_key is type(source):
+                self._quantizer_keys[caps_key] = caps_key
+        probe = self._probe
+        if probe is None or probe.stale():
+            probe = self._probe = probe_fsdp2_sharding(module)
+        shape = (key, caps_key, is_qp, bool(grad), bool(input_requires_grad), is_first_microbatch,
+                 backward_override, recompute, module_scope, probe.read())
+        levers = self._memo.get(shape)
+        if levers is None:
+            levers = self._memo[shape] = self._plan(shape, source)
+            if is_qp and levers.context.sharding.is_fsdp2:
+                track(module)  # its shards are checked after every optimizer step
+        self._last[key] = levers
+        return levers
+
+    def _forget(self) -> None:
+        """Quantizer registrations changed: every memoized plan may be stale."""
+        self._memo.clear()
+        self._quantizer_keys.clear()
+        self._generation = default_registry.generation
+
+    def remember(self, levers: Levers) -> None:
+        """Make ``levers`` the latest plan of its weight (as a call does)."""
+        self._last[levers.key] = levers
+
+    def _plan(self, shape: tuple, quantizer: Any) -> Levers:
+        key, _, is_qp, grad, input_rg, first, override, recompute, module_scope, sharding = shape
+        context, plan = plan_call(
+            self._policy, quantizer_capabilities(quantizer), sharding, RECOMPUTE_CODES[recompute],
+            RecomputeScope.MODULE if module_scope else RecomputeScope.REGION, grad, input_rg,
+            WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
+            Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),
+        )
+        return levers_from_plan(key, context, plan)
+
+    def last_plans(self) -> dict[str, tuple[WorkspaceContext, WorkspacePlan]]:
+        """``{weight key: (context, plan)}`` of the latest managed call."""
+        return {key: (lv.context, lv.plan) for key, lv in self._last.items()}
+
+    def plan_of(self, key: str) -> WorkspacePlan | None:
+        levers = self._last.get(key)
+        return levers.plan if levers is not None else None
+
+    def shapes_planned(self) -> int:
+        """How many call shapes were planned in full (the memo's size)."""
+        return len(self._memo)
+
+    # -- the call in flight -------------------------------------------------------------
+    def slot_for(self, tensor: Any) -> Levers | None:
+        """The levers of ``tensor`` if it is a weight of the call in flight."""
+        weights = self.weights
+        for i in range(0, len(weights), 2):
+            if weights[i] is tensor:
+                return weights[i + 1]
+        return None
+
+    def cached(self, workspaces: dict, key: str) -> Any:
+        pending = self.pending
+        if pending is not None and key in pending:
+            return pending[key]
+        return workspaces.get(key)
+
+    def fill(self, key: str, workspace: Any) -> None:
+        if self.pending is None:
+            self.pending = {}
+        self.pending[key] = workspace
+
+    def commit(self, workspaces: dict) -> None:
+        """The call's GEMMs returned: its new cache entries become the module's."""
+        if self.pending:
+            workspaces.update(self.pending)
+        self.pending = None
+
+
+def state_of(module: Any) -> ModuleWorkspaceState:
+    """The drop-in ``module``'s state, made on first use (a converted module
+    gets its state at its first call)."""
+    state = module._wm_state
+    if state is None:
+        state = ModuleWorkspaceState(module._wm_kind)
+        module.__dict__["_wm_state"] = state  # not a parameter, buffer or submodule
+    return state
