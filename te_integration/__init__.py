@@ -20,6 +20,7 @@ from ._modules import (
     managed_construction,
     set_workspace_policy,
 )
+from ._foreign import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
 
@@ -36,6 +37,7 @@ __all__ = [
     "record_workspaces",
     "WorkspaceRecording",
     "UnsupportedTEError",
+    "ForeignPatchError",
     "TE_VERSION",
     "SUPPORTED_TE",
 ]

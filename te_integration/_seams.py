@@ -22,9 +22,11 @@ from workspace_manager import CacheAction, RecomputePass, RecomputeScope, Usage
 from . import _attribution
 from . import _compat as te
 from ._call import ACTIVE, ManagedCall, WeightSlot, passes_through, te_recompute_pass
+from ._foreign import SeamedName, in_place, refuse_foreign_patches
 
 _INSTALL_LOCK = threading.Lock()
 _INSTALLED = False
+_SEAMED: tuple[SeamedName, ...] = ()
 
 
 # -- S1: quantize_weight ------------------------------------------------------
@@ -266,17 +268,33 @@ def _observed(ctx, module, out):
     return out
 
 
+def _seamed_names() -> tuple[SeamedName, ...]:
+    """The names install replaces, with TE's own definition of each."""
+    linear, lnl, lnmlp = te.linear_module, te.lnl_module, te.lnmlp_module
+    qw = f"{te.base_module.__name__}.quantize_weight"
+    return tuple(SeamedName(m, "quantize_weight", qw, managed_quantize_weight) for m in (linear, lnl, lnmlp)) + (
+        SeamedName(linear, "_Linear", f"{linear.__name__}._Linear", _Linear, te.LinearFunction),
+        SeamedName(lnl, "_LayerNormLinear", f"{lnl.__name__}._LayerNormLinear", _LayerNormLinear, te.LNLFunction),
+        SeamedName(lnmlp, "_LayerNormMLP", f"{lnmlp.__name__}._LayerNormMLP", _LayerNormMLP, te.LNMLPFunction),
+    )
+
+
 def install() -> None:
-    """Put the seams into TE's module globals, once per process."""
-    global _INSTALLED
-    if _INSTALLED:  # every managed forward asks; only the first one pays for the lock
+    """Put the seams into TE's module globals, once per process.
+
+    Raises :class:`ForeignPatchError`, changing nothing, while another
+    library's patch holds one of those names, whether it was made before
+    te_integration's import, before install, or over an installed seam (the
+    check every managed forward makes is a few identity tests).
+    """
+    global _INSTALLED, _SEAMED
+    if _INSTALLED and in_place(_SEAMED):
         return
     with _INSTALL_LOCK:
-        if _INSTALLED:
+        if _INSTALLED and in_place(_SEAMED):
             return
-        for module in (te.linear_module, te.lnl_module, te.lnmlp_module):
-            module.quantize_weight = managed_quantize_weight
-        te.linear_module._Linear = _Linear
-        te.lnl_module._LayerNormLinear = _LayerNormLinear
-        te.lnmlp_module._LayerNormMLP = _LayerNormMLP
-        _INSTALLED = True
+        names = _SEAMED or _seamed_names()
+        refuse_foreign_patches(names)
+        for seamed in names:
+            setattr(seamed.module, seamed.name, seamed.ours)
+        _SEAMED, _INSTALLED = names, True
