@@ -22,6 +22,7 @@ from ._modules import (
     workspace_state,
 )
 from ._state import Levers, ModuleWorkspaceState
+from ._foreign import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
 
@@ -41,6 +42,7 @@ __all__ = [
     "record_workspaces",
     "WorkspaceRecording",
     "UnsupportedTEError",
+    "ForeignPatchError",
     "TE_VERSION",
     "SUPPORTED_TE",
 ]

@@ -34,6 +34,7 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._steps import add_step_task, ensure_hook
+from ._args import expect_bool, expect_module
 
 __all__ = ["workspace_report", "record_workspaces", "WorkspaceRecording"]
 
@@ -160,7 +161,9 @@ def workspace_report(model: torch.nn.Module) -> WorkspaceReport:
     at any time; workspaces saved for backward appear only while recording
     (:func:`record_workspaces`), since only the seams see them made.
     ``print(report)`` gives a table; ``report.as_dict()`` the same for programs.
+    A model without TE modules gives an empty report.
     """
+    expect_module("workspace_report", "model", model)
     modules = te_modules(model)
     for fqn, module in modules:
         _NAMES[module] = fqn or type(module).__name__
@@ -196,12 +199,19 @@ class WorkspaceRecording:
         return [p.as_dict() for p in self.timeline]
 
 
-@contextlib.contextmanager
-def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> Iterator[WorkspaceRecording]:
+def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> contextlib.AbstractContextManager:
     """Record every workspace ``model``'s TE modules (drop-in or stock) make
     while the block runs; with ``timeline``, a point at each forward and
     backward boundary and at each optimizer step. Off by default: outside
-    this block the seams do one attribute check per call."""
+    this block the seams do one attribute check per call. Arguments are
+    checked at the call; a model without TE modules records nothing."""
+    expect_module("record_workspaces", "model", model)
+    expect_bool("record_workspaces", "timeline", timeline)
+    return _recording(model, timeline)
+
+
+@contextlib.contextmanager
+def _recording(model: torch.nn.Module, timeline: bool) -> Iterator[WorkspaceRecording]:
     global _RECORDING
     if _RECORDING is not None:
         raise RuntimeError("record_workspaces is already active; recordings do not nest")

@@ -1,22 +1,27 @@
 """The one thin, version-checked layer between this package and TE's internals.
 
 Everything ``te_integration`` uses from TransformerEngine is imported here,
-and nowhere else. At import the layer checks the installed version and the
-shape of every private piece the seams rely on (argument-tuple positions,
-the lines of TE's code a seam depends on). A mismatch refuses to load with a
-message that says which piece changed.
+and nowhere else. At import the layer checks the installed version, that
+every piece the binding takes from TE exists (:data:`SEAMS`), and the shape
+of the private ones (argument-tuple positions, the lines of TE's code a seam
+depends on). A mismatch refuses to load with :class:`UnsupportedTEError`,
+naming each missing or changed piece and the TE file it belongs in.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import textwrap
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
 
 SUPPORTED = "2.20"
 """TE major.minor this package binds to: ``>=2.20,<2.21``."""
+
+_INSTALL_HINT = "`pip install 'transformer_engine[pytorch]>=2.20,<2.21'`"
 
 
 class UnsupportedTEError(ImportError):
@@ -46,35 +51,149 @@ VERSION: str = str(getattr(te, "__version__", "unknown"))
 if not VERSION.startswith(SUPPORTED + "."):
     raise UnsupportedTEError(
         f"te_integration supports TransformerEngine >={SUPPORTED},<2.21; the installed "
-        f"version is {VERSION}. Install a supported version "
-        "(`pip install 'transformer_engine[pytorch]>=2.20,<2.21'`) or use the TE-free core alone."
+        f"version is {VERSION}. Install a supported version ({_INSTALL_HINT}) or use the TE-free core alone."
     )
 
-import transformer_engine.pytorch as tep  # noqa: E402
-import transformer_engine.pytorch.attention.multi_head_attention as mha_module  # noqa: E402
-import transformer_engine.pytorch.distributed as te_distributed  # noqa: E402
-import transformer_engine.pytorch.module.base as base_module  # noqa: E402
-import transformer_engine.pytorch.module.layernorm_linear as lnl_module  # noqa: E402
-import transformer_engine.pytorch.module.layernorm_mlp as lnmlp_module  # noqa: E402
-import transformer_engine.pytorch.module.linear as linear_module  # noqa: E402
-import transformer_engine.pytorch.transformer as transformer_module  # noqa: E402
-from transformer_engine.pytorch.distributed_weight import is_distributed_weight  # noqa: E402
-from transformer_engine.pytorch.graph import is_graph_capturing  # noqa: E402
-from transformer_engine.pytorch.jit import no_torch_dynamo  # noqa: E402
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
-from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage, Quantizer  # noqa: E402
-from transformer_engine.pytorch.tensor.utils import clear_columnwise_cache  # noqa: E402
 
-TELinear = tep.Linear
-TELayerNormLinear = tep.LayerNormLinear
-TELayerNormMLP = tep.LayerNormMLP
-LinearFunction = linear_module._Linear
-LNLFunction = lnl_module._LayerNormLinear
-LNMLPFunction = lnmlp_module._LayerNormMLP
-quantize_weight = base_module.quantize_weight
-is_weight_workspace_valid = base_module._is_weight_workspace_valid
-is_fp8_activation_recompute_enabled = te_distributed.is_fp8_activation_recompute_enabled
-in_fp8_activation_recompute_phase = te_distributed.in_fp8_activation_recompute_phase
+@dataclass(frozen=True)
+class Seam:
+    """One piece the binding takes from TE: ``attr`` (a dotted path, empty
+    for the module itself) of module ``module``, bound here as ``export``
+    (empty: only checked, e.g. a method the seams call or override)."""
+
+    module: str
+    attr: str = ""
+    export: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.attr or self.module
+
+    @property
+    def file(self) -> str:
+        """The TE source file the piece is defined or bound in."""
+        path = self.module.replace(".", "/")
+        return f"{path}/__init__.py" if self.module in _PACKAGES else f"{path}.py"
+
+
+_PT = "transformer_engine.pytorch"
+_PACKAGES = frozenset({_PT})
+_LIN, _LNL, _MLP, _BASE = (f"{_PT}.module.linear", f"{_PT}.module.layernorm_linear", f"{_PT}.module.layernorm_mlp",
+                           f"{_PT}.module.base")
+
+#: Every piece of TE the binding relies on. The seamed names (what
+#: ``_seams.install`` replaces) are ``quantize_weight``, ``_Linear``,
+#: ``_LayerNormLinear`` and ``_LayerNormMLP`` in the three module files.
+SEAMS: tuple[Seam, ...] = (
+    Seam(_PT, export="tep"),
+    Seam(_LIN, export="linear_module"), Seam(_LNL, export="lnl_module"), Seam(_MLP, export="lnmlp_module"),
+    Seam(_BASE, export="base_module"), Seam(f"{_PT}.distributed", export="te_distributed"),
+    Seam(f"{_PT}.attention.multi_head_attention", export="mha_module"),
+    Seam(f"{_PT}.transformer", export="transformer_module"),
+    # Public classes: what convert_model swaps and the drop-ins subclass.
+    Seam(_PT, "Linear", "TELinear"), Seam(_PT, "LayerNormLinear", "TELayerNormLinear"),
+    Seam(_PT, "LayerNormMLP", "TELayerNormMLP"),
+    Seam(_LNL, "LayerNormLinear.forward"), Seam(_MLP, "LayerNormMLP.forward"),
+    Seam(_BASE, "TransformerEngineBaseModule", "TEBaseModule"),
+    Seam(_BASE, "TransformerEngineBaseModule.prepare_forward"), Seam(_BASE, "TransformerEngineBaseModule.end_forward"),
+    # Linear: the autograd Function, its eager entry and argument dataclasses.
+    Seam(_LIN, "_Linear", "LinearFunction"), Seam(_LIN, "_Linear.forward"), Seam(_LIN, "_Linear.backward"),
+    Seam(_LIN, "_linear_eager"), Seam(_LIN, "_linear_forward_impl"),
+    Seam(_LIN, "LinearFwdArgs", "LinearFwdArgs"), Seam(_LIN, "LinearBwdArgs", "LinearBwdArgs"),
+    Seam(_LNL, "_LayerNormLinear", "LNLFunction"), Seam(_LNL, "_LayerNormLinear.forward"),
+    Seam(_LNL, "_LayerNormLinear.backward"),
+    Seam(_MLP, "_LayerNormMLP", "LNMLPFunction"), Seam(_MLP, "_LayerNormMLP._forward"),
+    Seam(_MLP, "_LayerNormMLP.forward"), Seam(_MLP, "_LayerNormMLP.backward"),
+    # quantize_weight: TE's own, and the module globals the seam replaces.
+    Seam(_BASE, "quantize_weight", "quantize_weight"), Seam(_LIN, "quantize_weight"), Seam(_LNL, "quantize_weight"),
+    Seam(_MLP, "quantize_weight"),
+    Seam(_BASE, "_is_weight_workspace_valid", "is_weight_workspace_valid"),
+    # Names managed_construction rebinds while TE builds its composite modules.
+    Seam(f"{_PT}.attention.multi_head_attention", "Linear"),
+    Seam(f"{_PT}.attention.multi_head_attention", "LayerNormLinear"),
+    Seam(f"{_PT}.transformer", "LayerNormMLP"),
+    # Helpers the seams ask.
+    Seam(f"{_PT}.distributed", "is_fp8_activation_recompute_enabled", "is_fp8_activation_recompute_enabled"),
+    Seam(f"{_PT}.distributed", "in_fp8_activation_recompute_phase", "in_fp8_activation_recompute_phase"),
+    Seam(f"{_PT}.distributed_weight", "is_distributed_weight", "is_distributed_weight"),
+    Seam(f"{_PT}.graph", "is_graph_capturing", "is_graph_capturing"),
+    Seam(f"{_PT}.jit", "no_torch_dynamo", "no_torch_dynamo"),
+    Seam(f"{_PT}.quantization", "FP8GlobalStateManager", "FP8GlobalStateManager"),
+    Seam(f"{_PT}.quantization", "FP8GlobalStateManager.get_fp8_recipe"),
+    Seam(f"{_PT}.quantized_tensor", "QuantizedTensorStorage", "QuantizedTensorStorage"),
+    Seam(f"{_PT}.tensor.utils", "clear_columnwise_cache", "clear_columnwise_cache"),
+)
+
+
+def _lookup(seam: Seam) -> object:
+    """The piece ``seam`` names; raises LookupError saying why it is not there."""
+    try:
+        obj = importlib.import_module(seam.module)
+    except ImportError as err:
+        raise LookupError(f"the module could not be imported ({err})") from err
+    for part in filter(None, seam.attr.split(".")):
+        if not hasattr(obj, part):
+            raise LookupError(f"no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_seams_message(version: str, missing: list[tuple[Seam, str]]) -> str:
+    """What the user reads when pieces the binding relies on are not in TE."""
+    listed = "; ".join(f"`{seam.name}` in {seam.file} ({why})" for seam, why in missing)
+    return (
+        f"TransformerEngine {version} lacks what te_integration binds to: {listed}. te_integration supports "
+        f"released TransformerEngine {SUPPORTED}.x builds; install one ({_INSTALL_HINT}). If this already is "
+        "a released build, please report this message to the te-workspace-manager project."
+    )
+
+
+def _resolve(seams: tuple[Seam, ...]) -> dict[str, object]:
+    """``{export: piece}`` for every exported seam; UnsupportedTEError
+    listing every missing piece at once."""
+    found, missing = {}, []
+    for seam in seams:
+        try:
+            piece = _lookup(seam)
+        except LookupError as err:
+            missing.append((seam, str(err)))
+            continue
+        if seam.export:
+            found[seam.export] = piece
+    if missing:
+        raise UnsupportedTEError(missing_seams_message(VERSION, missing))
+    return found
+
+
+_found = _resolve(SEAMS)
+tep: ModuleType = _found["tep"]
+linear_module: ModuleType = _found["linear_module"]
+lnl_module: ModuleType = _found["lnl_module"]
+lnmlp_module: ModuleType = _found["lnmlp_module"]
+base_module: ModuleType = _found["base_module"]
+te_distributed: ModuleType = _found["te_distributed"]
+mha_module: ModuleType = _found["mha_module"]
+transformer_module: ModuleType = _found["transformer_module"]
+TELinear = _found["TELinear"]
+TELayerNormLinear = _found["TELayerNormLinear"]
+TELayerNormMLP = _found["TELayerNormMLP"]
+TEBaseModule = _found["TEBaseModule"]
+LinearFunction = _found["LinearFunction"]
+LinearFwdArgs = _found["LinearFwdArgs"]
+LinearBwdArgs = _found["LinearBwdArgs"]
+LNLFunction = _found["LNLFunction"]
+LNMLPFunction = _found["LNMLPFunction"]
+quantize_weight = _found["quantize_weight"]
+is_weight_workspace_valid = _found["is_weight_workspace_valid"]
+is_fp8_activation_recompute_enabled = _found["is_fp8_activation_recompute_enabled"]
+in_fp8_activation_recompute_phase = _found["in_fp8_activation_recompute_phase"]
+is_distributed_weight = _found["is_distributed_weight"]
+is_graph_capturing = _found["is_graph_capturing"]
+no_torch_dynamo = _found["no_torch_dynamo"]
+FP8GlobalStateManager = _found["FP8GlobalStateManager"]
+QuantizedTensorStorage = _found["QuantizedTensorStorage"]
+clear_columnwise_cache = _found["clear_columnwise_cache"]
+del _found
 
 #: Positions in ``_LayerNormLinear.forward``'s ``non_tensor_args``.
 LNL_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizer": 7, "cpu_offloading": 12,
@@ -84,6 +203,10 @@ LNL_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizer": 7, "cpu_offl
 LNMLP_ARGS = {"is_first_microbatch": 1, "fp8": 2, "fc1_weight_quantizer": 7, "fc2_weight_quantizer": 13,
               "cpu_offloading": 18, "is_grad_enabled": 28, "fsdp_group": 41, "skip_fp8_weight_update": 44,
               "checkpoint": 46, "debug": 47, "is_fsdp2": 48, "recompute_for_bwd": 49}
+#: Fields of TE's argument dataclasses the ``_Linear`` seam reads or sets.
+LINEAR_FWD_FIELDS = ("is_fsdp2", "weight_quantizer", "is_first_microbatch", "is_grad_enabled", "input_requires_grad",
+                     "backward_override", "fp8", "debug", "fsdp_group", "skip_fp8_weight_update", "cpu_offloading")
+LINEAR_BWD_FIELDS = ("is_fsdp2", "weight_quantizer")
 
 #: Lines of TE's code each seam relies on (a changed TE refuses to load).
 _SENTINELS = {
@@ -101,9 +224,23 @@ _SENTINELS = {
 }
 
 
+def _where(obj) -> str:
+    """``qualname (file)`` of a TE function or class, for messages."""
+    module = getattr(obj, "__module__", "") or ""
+    return f"{getattr(obj, '__qualname__', obj)} ({module.replace('.', '/')}.py)"
+
+
+def _source(fn) -> str | None:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):  # a build without its Python sources
+        return None
+
+
 def _unpacked_names(fn, tuple_name: str) -> list[str]:
     """Target names of ``(...) = <tuple_name>`` in ``fn``'s source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    source = _source(fn)
+    tree = ast.parse(textwrap.dedent(source)) if source is not None else ast.Module(body=[], type_ignores=[])
     for node in ast.walk(tree):
         if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == tuple_name
                 and isinstance(node.targets[0], ast.Tuple)):
@@ -114,23 +251,19 @@ def _unpacked_names(fn, tuple_name: str) -> list[str]:
 def _check_structure() -> list[str]:
     problems = []
     for fn, needles in _SENTINELS.items():
-        source = inspect.getsource(fn)
-        problems += [f"{fn.__qualname__} no longer contains {n!r}" for n in needles if n not in source]
-    for fn, table, extra in ((LNLFunction.forward, LNL_ARGS, 0), (LNMLPFunction._forward, LNMLP_ARGS, 0)):
+        source = _source(fn)
+        if source is None:
+            problems.append(f"the source of {_where(fn)} cannot be read")
+            continue
+        problems += [f"{_where(fn)} no longer contains {n!r}" for n in needles if n not in source]
+    for fn, table in ((LNLFunction.forward, LNL_ARGS), (LNMLPFunction._forward, LNMLP_ARGS)):
         names = _unpacked_names(fn, "non_tensor_args")
         for name, index in table.items():
             if index >= len(names) or names[index] != name:
-                problems.append(f"{fn.__qualname__}: non_tensor_args[{index}] is no longer {name!r}")
-    for name in ("is_fsdp2", "weight_quantizer", "is_first_microbatch", "is_grad_enabled", "input_requires_grad",
-                 "backward_override", "fp8", "debug", "fsdp_group", "skip_fp8_weight_update", "cpu_offloading"):
-        if name not in linear_module.LinearFwdArgs.__dataclass_fields__:
-            problems.append(f"LinearFwdArgs has no field {name!r}")
-    for name in ("is_fsdp2", "weight_quantizer"):
-        if name not in linear_module.LinearBwdArgs.__dataclass_fields__:
-            problems.append(f"LinearBwdArgs has no field {name!r}")
-    originals = (linear_module.quantize_weight, lnl_module.quantize_weight, lnmlp_module.quantize_weight)
-    if any(q is not base_module.quantize_weight and not getattr(q, "_te_wm_seam", False) for q in originals):
-        problems.append("quantize_weight was replaced by someone else in a TE module")
+                problems.append(f"{_where(fn)}: non_tensor_args[{index}] is no longer {name!r}")
+    for cls, fields in ((LinearFwdArgs, LINEAR_FWD_FIELDS), (LinearBwdArgs, LINEAR_BWD_FIELDS)):
+        present = getattr(cls, "__dataclass_fields__", {})
+        problems += [f"{_where(cls)} has no field {name!r}" for name in fields if name not in present]
     return problems
 
 
@@ -139,4 +272,6 @@ if _problems:
     raise UnsupportedTEError(
         f"TransformerEngine {VERSION}'s internals differ from what te_integration binds to: "
         + "; ".join(_problems)
+        + f". Install a released TransformerEngine {SUPPORTED}.x ({_INSTALL_HINT}); if this already is one, "
+        "please report this message to the te-workspace-manager project."
     )

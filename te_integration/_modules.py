@@ -12,6 +12,7 @@ and checkpoints move both ways between stock and drop-in modules.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ import torch
 
 from workspace_manager import PolicyMismatchError, WorkspacePolicy
 
+from . import _args
 from . import _compat as te
 from . import _seams
 from ._seams import ACTIVE, install
@@ -53,9 +55,8 @@ class _ManagedModule:
         # Inside a torch.compile trace TE's compiled path runs (Linear); it
         # stays stock. Elsewhere the module is active until end_forward.
         if not torch.compiler.is_compiling():
-            if not _seams.INSTALLED:  # the first managed call in the process
-                install()
-            if self._wm_state is None:
+            if self._wm_state is None or not _seams.INSTALLED:
+                install()  # at each drop-in's first call: finds foreign patches made since
                 state_of(self)
             self.__dict__["_wm_token"] = ACTIVE.set(self)
         return inp
@@ -117,6 +118,7 @@ class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
 _DROP_INS: dict[type, type] = {te.TELinear: Linear, te.TELayerNormLinear: LayerNormLinear,
                                te.TELayerNormMLP: LayerNormMLP}
 _CONVERTED: dict[type, type] = {}
+_TE_CLASSES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP)
 
 
 def _managed_class_for(cls: type) -> type | None:
@@ -145,26 +147,45 @@ def convert_model(
     ``model`` into drop-ins, in place, and return ``model``.
 
     ``module_filter(module, fqn)`` chooses which ones (default: all);
-    ``policy`` pins a policy on each converted module (default: selected per
-    call). Parameters are not copied. Call it before ``fully_shard``: a
-    module FSDP2 already wraps is refused with an error.
+    ``policy`` pins a policy on each chosen module (default: selected per
+    call). Parameters are not copied. Converting is idempotent: drop-ins
+    keep their class, and ``policy``, if given, is pinned on the chosen
+    drop-ins too. A model without TE modules is returned unchanged. Call it
+    before ``fully_shard``: a TE module FSDP2 already wraps is refused. Every
+    argument and module is checked (and ``module_filter`` asked) before any
+    class changes, so a refused call leaves the model as it was.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"convert_model expects a torch.nn.Module; received {type(model).__name__}")
+    _args.expect_module("convert_model", "model", model)
+    _args.expect_callable("convert_model", "module_filter", module_filter)
+    _args.expect_policy("convert_model", policy)
+    for module, target in _conversions(model, module_filter):
+        if target is not None:
+            module.__class__ = target
+            module.__dict__.pop("_is_fsdp2", None)  # TE caches its FSDP2 flag; ours is detected afresh
+        if policy is not None:
+            module.workspace_policy = policy
+    return model
+
+
+def _conversions(model: torch.nn.Module, module_filter: Callable | None) -> list[tuple[torch.nn.Module, type | None]]:
+    """``(module, drop-in class or None if already one)`` for each chosen TE
+    module; raises, having changed nothing, on a module FSDP2 wraps."""
+    chosen = []
     for fqn, module in model.named_modules():
-        target = _managed_class_for(type(module))
-        if target is None or (module_filter is not None and not module_filter(module, fqn)):
+        managed = isinstance(module, _ManagedModule)
+        target = None if managed else _managed_class_for(type(module))
+        if not managed and target is None:
             continue
-        if _is_fsdp2_wrapped(module):
+        if module_filter is not None and not module_filter(module, fqn):
+            continue
+        if target is not None and _is_fsdp2_wrapped(module):
             raise PolicyMismatchError(
                 f"convert_model: {fqn or 'the model'} ({type(module).__name__}) is already wrapped by "
-                "fully_shard; FSDP2 replaced its class. Convert the model before calling fully_shard."
+                "fully_shard; FSDP2 replaced its class. Convert the model before calling fully_shard. "
+                "Nothing was converted."
             )
-        module.__class__ = target
-        module.__dict__.pop("_is_fsdp2", None)  # TE caches its FSDP2 flag; ours is detected afresh
-        if policy is not None:
-            set_workspace_policy(module, policy)
-    return model
+        chosen.append((module, target))
+    return chosen
 
 
 def _is_fsdp2_wrapped(module: torch.nn.Module) -> bool:
@@ -175,26 +196,23 @@ def set_workspace_policy(module: torch.nn.Module, policy: WorkspacePolicy | None
     """Pin ``policy`` on a drop-in module (None: back to per-call selection).
     A pinned policy that does not cover a call fails at that call's forward
     with :class:`PolicyMismatchError`."""
+    _args.expect_module("set_workspace_policy", "module", module)
     if not isinstance(module, _ManagedModule):
         raise TypeError(
-            f"set_workspace_policy needs a te_integration module; {type(module).__name__} is not one. "
-            "Convert it first with te_integration.convert_model."
+            f"set_workspace_policy: module must be a te_integration drop-in module; {type(module).__name__} "
+            "is not one. Convert it first: te_integration.convert_model(model, policy=...)."
         )
-    if policy is not None and not isinstance(policy, WorkspacePolicy):
-        raise TypeError(f"policy must be a WorkspacePolicy or None; received {type(policy).__name__}")
+    _args.expect_policy("set_workspace_policy", policy)
     module.workspace_policy = policy
 
 
 def last_plans(module: torch.nn.Module) -> dict:
     """``{weight key: (context, plan)}`` of the module's latest managed call,
-    for reviewers asking why a workspace is alive. Empty for a drop-in that
-    has not run a managed call yet."""
-    if not isinstance(module, _ManagedModule):
-        raise TypeError(
-            f"last_plans needs a te_integration module; {type(module).__name__} is not one. "
-            "Convert it first with te_integration.convert_model."
-        )
-    state = module._wm_state
+    for reviewers asking why a workspace is alive. A stock TE module, or a
+    drop-in that has not run a managed call, has none: ``{}``."""
+    _args.expect_te_module("last_plans", "module", module, _TE_CLASSES,
+                           "For a whole model: {name: last_plans(m) for name, m in model.named_modules() ...}.")
+    state = module._wm_state if isinstance(module, _ManagedModule) else None
     return state.last_plans() if state is not None else {}
 
 
@@ -209,23 +227,69 @@ def workspace_state(module: torch.nn.Module) -> ModuleWorkspaceState:
     return state_of(module)
 
 
+class _Construction:
+    """The one active :func:`managed_construction`: its thread, nesting
+    depth and TE's names to restore. Guarded by ``_CONSTRUCTION_LOCK``."""
+
+    owner: int | None = None
+    owner_name = ""
+    depth = 0
+    saved: list = []
+
+
+_CONSTRUCTION_LOCK = threading.Lock()
+
+
+def _construction_targets() -> list[tuple[Any, str, type]]:
+    return [(te.mha_module, "Linear", Linear), (te.mha_module, "LayerNormLinear", LayerNormLinear),
+            (te.transformer_module, "LayerNormMLP", LayerNormMLP)]
+
+
+def _enter_construction() -> None:
+    me = threading.current_thread()
+    with _CONSTRUCTION_LOCK:
+        if _Construction.owner is None:
+            targets = _construction_targets()
+            _Construction.saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
+            for mod, name, cls in targets:
+                setattr(mod, name, cls)
+            _Construction.owner, _Construction.owner_name = me.ident, me.name
+        elif _Construction.owner != me.ident:
+            raise RuntimeError(
+                f"managed_construction() is already active in thread {_Construction.owner_name!r}; thread "
+                f"{me.name!r} cannot enter it too, because the block rebinds names of TE's modules for the whole "
+                "process. Construct in one thread at a time, or build stock TE modules and call "
+                "convert_model() on them (it changes nothing global)."
+            )
+        _Construction.depth += 1
+
+
+def _exit_construction() -> None:
+    with _CONSTRUCTION_LOCK:
+        _Construction.depth -= 1
+        if _Construction.depth:
+            return
+        for mod, name, original in _Construction.saved:
+            setattr(mod, name, original)
+        _Construction.owner, _Construction.saved = None, []
+
+
 @contextlib.contextmanager
 def managed_construction() -> Iterator[None]:
     """Within the block, ``te.TransformerLayer`` and ``te.MultiheadAttention``
     build their Linear, LayerNormLinear and LayerNormMLP as drop-ins.
 
     It rebinds the names those modules resolve at construction, and restores
-    them on exit, also after an exception. Other threads constructing TE
-    modules meanwhile get drop-ins too; :func:`convert_model` has no such
-    side effect.
+    them when the outermost block exits, also after an exception. The
+    rebinding is process-wide, so one thread at a time may hold the block:
+    a second thread entering it meanwhile gets a RuntimeError naming the
+    holder, and changes nothing. The same thread may nest blocks; the names
+    stay rebound until its outermost block exits. Other threads that
+    construct TE modules while the block is held get drop-ins too;
+    :func:`convert_model` has no such side effect.
     """
-    targets = [(te.mha_module, "Linear", Linear), (te.mha_module, "LayerNormLinear", LayerNormLinear),
-               (te.transformer_module, "LayerNormMLP", LayerNormMLP)]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
+    _enter_construction()
     try:
-        for mod, name, cls in targets:
-            setattr(mod, name, cls)
         yield
     finally:
-        for mod, name, original in saved:
-            setattr(mod, name, original)
+        _exit_construction()

@@ -34,6 +34,7 @@ from workspace_manager import CacheAction
 from . import _attribution
 from . import _compat as te
 from ._state import Levers, ModuleKind, ModuleWorkspaceState
+from ._foreign import SeamedName, in_place, refuse_foreign_patches
 
 #: The drop-in module whose TE forward is running (between its
 #: ``prepare_forward`` and ``end_forward``), or None.
@@ -69,6 +70,7 @@ def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cp
         or te.is_distributed_weight(weights[0])
         or (len(weights) > 1 and te.is_distributed_weight(weights[1]))
     )
+_SEAMED: tuple[SeamedName, ...] = ()
 
 
 # -- S1: quantize_weight ------------------------------------------------------
@@ -97,7 +99,6 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     return out, None
 
 
-managed_quantize_weight._te_wm_seam = True  # lets _compat tell our seam from a foreign patch
 
 
 def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
@@ -350,17 +351,31 @@ def _observed(ctx, module, out):
     return out
 
 
+def _seamed_names() -> tuple[SeamedName, ...]:
+    """The names install replaces, with TE's own definition of each."""
+    linear, lnl, lnmlp = te.linear_module, te.lnl_module, te.lnmlp_module
+    qw = f"{te.base_module.__name__}.quantize_weight"
+    return tuple(SeamedName(m, "quantize_weight", qw, managed_quantize_weight) for m in (linear, lnl, lnmlp)) + (
+        SeamedName(linear, "_Linear", f"{linear.__name__}._Linear", _Linear, te.LinearFunction),
+        SeamedName(lnl, "_LayerNormLinear", f"{lnl.__name__}._LayerNormLinear", _LayerNormLinear, te.LNLFunction),
+        SeamedName(lnmlp, "_LayerNormMLP", f"{lnmlp.__name__}._LayerNormMLP", _LayerNormMLP, te.LNMLPFunction),
+    )
+
+
 def install() -> None:
-    """Put the seams into TE's module globals, once per process."""
-    global INSTALLED
-    if INSTALLED:
-        return
+    """Put the seams into TE's module globals, once per process.
+
+    Raises :class:`ForeignPatchError`, changing nothing, while another
+    library's patch holds one of those names, whether it was made before
+    te_integration's import or before install. Each drop-in asks again at
+    its first call, so a patch made over installed seams is found there.
+    """
+    global INSTALLED, _SEAMED
     with _INSTALL_LOCK:
-        if INSTALLED:
+        if INSTALLED and in_place(_SEAMED):
             return
-        for module in (te.linear_module, te.lnl_module, te.lnmlp_module):
-            module.quantize_weight = managed_quantize_weight
-        te.linear_module._Linear = _Linear
-        te.lnl_module._LayerNormLinear = _LayerNormLinear
-        te.lnmlp_module._LayerNormMLP = _LayerNormMLP
-        INSTALLED = True
+        names = _SEAMED or _seamed_names()
+        refuse_foreign_patches(names)
+        for seamed in names:
+            setattr(seamed.module, seamed.name, seamed.ours)
+        _SEAMED, INSTALLED = names, True

@@ -176,19 +176,29 @@ def _file(name: str, **attrs: Any) -> types.ModuleType:
     return module
 
 
+def _te_named(obj: Any, module: str, qualname: str) -> Any:
+    """Give ``obj`` the home TE gives the real one (the install check reads it)."""
+    obj.__module__, obj.__qualname__ = module, qualname
+    return obj
+
+
 def compat() -> dict[str, Any]:
     """The stand-in ``_compat``: what the binding reads from TE."""
-    linear = _file("linear", _Linear=LinearFunction)
-    lnl = _file("lnl", _LayerNormLinear=None)
-    lnmlp = _file("lnmlp", _LayerNormMLP=None)
+    base = types.ModuleType("fake_te.base")
+    base.quantize_weight = _te_named(quantize_weight, "fake_te.base", "quantize_weight")
+    linear = _file("linear", _Linear=_te_named(LinearFunction, "fake_te.linear", "_Linear"))
+    fn = {name: _te_named(type(name, (), {"forward": staticmethod(lambda *a: None),
+                                          "_forward": staticmethod(lambda *a: None)}), f"fake_te.{file}", name)
+          for file, name in (("lnl", "_LayerNormLinear"), ("lnmlp", "_LayerNormMLP"))}
+    lnl = _file("lnl", _LayerNormLinear=fn["_LayerNormLinear"])
+    lnmlp = _file("lnmlp", _LayerNormMLP=fn["_LayerNormMLP"])
     other = type("_Unused", (torch.nn.Module,), {"prepare_forward": TELinear.prepare_forward,
                                                   "end_forward": TELinear.end_forward})
-    fn = type("_UnusedFunction", (), {"forward": staticmethod(lambda *a: None),
-                                      "_forward": staticmethod(lambda *a: None)})
     return {
         "QuantizedTensorStorage": QuantizedTensorStorage,
         "TELinear": TELinear, "TELayerNormLinear": other, "TELayerNormMLP": type("_UnusedMLP", (other,), {}),
-        "LinearFunction": LinearFunction, "LNLFunction": fn, "LNMLPFunction": fn,
+        "LinearFunction": LinearFunction, "LNLFunction": fn["_LayerNormLinear"],
+        "LNMLPFunction": fn["_LayerNormMLP"], "base_module": base,
         "LNL_ARGS": {}, "LNMLP_ARGS": {},
         "linear_module": linear, "lnl_module": lnl, "lnmlp_module": lnmlp,
         "mha_module": types.ModuleType("fake_mha"), "transformer_module": types.ModuleType("fake_transformer"),

@@ -1,0 +1,210 @@
+"""A stand-in TransformerEngine written to disk, for import checks on CPU.
+
+``te_integration._compat`` checks at import that every piece of TE the
+binding relies on exists and has the shape it expects; its checks read real
+source files (``inspect.getsource``), so the stand-in is a package on disk.
+It holds exactly the pieces ``_compat.SEAMS`` names, each defined with a
+``def``, ``class`` or assignment at the start of a line, so that
+:func:`remove` can take one away; and the code lines and argument-tuple
+positions ``_compat`` looks for, the positions read from ``_compat.py`` itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compat_literal(name: str):
+    """A literal assigned in _compat.py (argument-tuple positions, field names)."""
+    tree = ast.parse((ROOT / "te_integration/_compat.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise KeyError(name)
+
+
+def _unpack(table: dict[str, int]) -> str:
+    """``(a, b, ...) = non_tensor_args`` with each name of ``table`` at its position."""
+    by_index = {i: n for n, i in table.items()}
+    names = [by_index.get(i, f"_unused{i}") for i in range(max(by_index) + 1)]
+    return f"({', '.join(names)},) = non_tensor_args"
+
+
+def _files() -> dict[str, str]:
+    return {
+        "__init__.py": "__version__ = '2.20.2'\n",
+        "pytorch/__init__.py": """
+            from .module import linear as _linear, layernorm_linear as _lnl, layernorm_mlp as _mlp
+            Linear = getattr(_linear, "Linear", None)
+            LayerNormLinear = getattr(_lnl, "LayerNormLinear", None)
+            LayerNormMLP = getattr(_mlp, "LayerNormMLP", None)
+        """,
+        "pytorch/module/__init__.py": "",
+        "pytorch/module/base.py": """
+            def quantize_weight(**kwargs):
+                return None, None
+            def _is_weight_workspace_valid(workspace, quantizer):
+                return True
+            class TransformerEngineBaseModule:
+                def prepare_forward(self, inp):
+                    return inp
+                def end_forward(self):
+                    return None
+        """,
+        "pytorch/module/linear.py": f"""
+            import dataclasses
+            from . import base as _base
+            quantize_weight = getattr(_base, "quantize_weight", None)
+            LinearFwdArgs = dataclasses.make_dataclass("LinearFwdArgs", {list(_compat_literal("LINEAR_FWD_FIELDS"))!r})
+            LinearBwdArgs = dataclasses.make_dataclass("LinearBwdArgs", {list(_compat_literal("LINEAR_BWD_FIELDS"))!r})
+            def _linear_forward_impl(is_fsdp2, weightmat, weight):
+                if is_fsdp2 and weightmat is not weight:
+                    pass
+                return quantize_weight()
+            def _linear_eager(*args):
+                if args:
+                    return _Linear.apply(*args)
+                return _Linear.forward(None, *args)
+            class _Linear:
+                @staticmethod
+                def forward(ctx, *args):
+                    return None
+                @staticmethod
+                def backward(ctx, *grads):
+                    return None
+            class Linear:
+                def forward(self, *args):
+                    self.prepare_forward(args)
+                    try:
+                        return _linear_eager(*args)
+                    finally:
+                        self.end_forward()
+        """,
+        "pytorch/module/layernorm_linear.py": f"""
+            from . import base as _base
+            quantize_weight = getattr(_base, "quantize_weight", None)
+            class _LayerNormLinear:
+                @staticmethod
+                def forward(ctx, non_tensor_args, weight, weightmat):
+                    {_unpack(_compat_literal("LNL_ARGS"))}
+                    if is_fsdp2 and weightmat is not weight:
+                        ctx.is_fsdp2 = is_fsdp2
+                    return quantize_weight()
+                @staticmethod
+                def backward(ctx, weight_quantizer, clear_columnwise_cache):
+                    weight_quantizer.set_usage(rowwise=True, columnwise=True)
+                    clear_columnwise_cache(None)
+            class LayerNormLinear:
+                def forward(self, *args):
+                    self.prepare_forward(args)
+                    try:
+                        if args:
+                            return _LayerNormLinear.apply(*args)
+                        return _LayerNormLinear.forward(None, *args)
+                    finally:
+                        self.end_forward()
+        """,
+        "pytorch/module/layernorm_mlp.py": f"""
+            from . import base as _base
+            quantize_weight = getattr(_base, "quantize_weight", None)
+            class _LayerNormMLP:
+                @staticmethod
+                def _forward(ctx, non_tensor_args, is_recomputation):
+                    {_unpack(_compat_literal("LNMLP_ARGS"))}
+                    fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation
+                    ctx.is_fsdp2 = is_fsdp2
+                    return fsdp2_skip_columnwise
+                @staticmethod
+                def forward(ctx, *args):
+                    return _LayerNormMLP._forward(ctx, *args)
+                @staticmethod
+                def backward(ctx, *grads):
+                    return None
+            class LayerNormMLP:
+                def forward(self, *args):
+                    self.prepare_forward(args)
+                    try:
+                        if args:
+                            return _LayerNormMLP.apply(*args)
+                        return _LayerNormMLP.forward(None, *args)
+                    finally:
+                        self.end_forward()
+        """,
+        "pytorch/attention/__init__.py": "",
+        "pytorch/attention/multi_head_attention.py": """
+            from ..module import linear as _linear, layernorm_linear as _lnl
+            Linear = getattr(_linear, "Linear", None)
+            LayerNormLinear = getattr(_lnl, "LayerNormLinear", None)
+        """,
+        "pytorch/transformer.py": """
+            from .module import layernorm_mlp as _mlp
+            LayerNormMLP = getattr(_mlp, "LayerNormMLP", None)
+        """,
+        "pytorch/distributed.py": """
+            def is_fp8_activation_recompute_enabled():
+                return False
+            def in_fp8_activation_recompute_phase():
+                return False
+        """,
+        "pytorch/distributed_weight.py": """
+            def is_distributed_weight(weight):
+                return False
+        """,
+        "pytorch/graph.py": """
+            def is_graph_capturing():
+                return False
+        """,
+        "pytorch/jit.py": """
+            def no_torch_dynamo(recursive=True):
+                return lambda fn: fn
+        """,
+        "pytorch/quantization.py": """
+            class FP8GlobalStateManager:
+                @staticmethod
+                def get_fp8_recipe():
+                    return None
+        """,
+        "pytorch/quantized_tensor.py": """
+            class QuantizedTensorStorage:
+                pass
+        """,
+        "pytorch/tensor/__init__.py": "",
+        "pytorch/tensor/utils.py": """
+            def clear_columnwise_cache(tensor):
+                return None
+        """,
+    }
+
+
+def write_te_tree(root: Path) -> Path:
+    """Write the complete stand-in under ``root``/transformer_engine; returns ``root``."""
+    for rel, source in _files().items():
+        path = root / "transformer_engine" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source).lstrip("\n"))
+    return root
+
+
+def source_file(root: Path, module: str) -> Path:
+    """The stand-in's file for dotted ``module`` (a package's ``__init__.py``)."""
+    path = root / module.replace(".", "/")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def remove(root: Path, module: str, attr: str) -> None:
+    """Take ``attr``'s last part out of ``module`` (renaming where it is
+    defined), or the whole module file when ``attr`` is empty."""
+    path = source_file(root, module)
+    if not attr:
+        path.unlink()
+        return
+    name = attr.rsplit(".", 1)[-1]
+    pattern = re.compile(rf"^(\s*)(def |class )?{re.escape(name)}\b(?=\s*[(:=])", re.MULTILINE)
+    text, count = pattern.subn(lambda m: f"{m.group(1)}{m.group(2) or ''}{name}_removed_by_test", path.read_text())
+    assert count, f"the stand-in defines no {name!r} in {path}"
+    path.write_text(text)

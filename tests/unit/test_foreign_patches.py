@@ -1,0 +1,141 @@
+"""Another library's patch of a name the seams replace in TE's modules is
+detected at install, whichever came first, and never overwritten: install
+raises ForeignPatchError and changes nothing. CPU, with a stand-in for TE."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+from _binding_standin import load_binding
+
+_PT = "transformer_engine.pytorch.module"
+
+
+def _te_function(module: str, name: str):
+    def fn(**kwargs):
+        return None, None
+
+    fn.__module__, fn.__qualname__, fn.__name__ = module, name, name
+    return fn
+
+
+def _te_class(module: str, name: str) -> type:
+    methods = {m: staticmethod(lambda ctx, *a: None) for m in ("forward", "backward", "_forward")}
+    return type(name, (), {"__module__": module, "__qualname__": name, **methods})
+
+
+class _StandInTE:
+    """TE's three module files and base.py, holding TE's own definitions."""
+
+    def __init__(self) -> None:
+        self.base = types.ModuleType(f"{_PT}.base")
+        self.base.quantize_weight = _te_function(self.base.__name__, "quantize_weight")
+        self.linear, self.lnl, self.lnmlp = (types.ModuleType(f"{_PT}.{n}")
+                                             for n in ("linear", "layernorm_linear", "layernorm_mlp"))
+        for module, fn in ((self.linear, "_Linear"), (self.lnl, "_LayerNormLinear"), (self.lnmlp, "_LayerNormMLP")):
+            module.quantize_weight = self.base.quantize_weight
+            setattr(module, fn, _te_class(module.__name__, fn))
+
+    def compat(self) -> dict:
+        mod = type("_TEModule", (), {})
+        return {
+            "base_module": self.base, "linear_module": self.linear, "lnl_module": self.lnl,
+            "lnmlp_module": self.lnmlp, "quantize_weight": self.base.quantize_weight,
+            "LinearFunction": self.linear._Linear, "LNLFunction": self.lnl._LayerNormLinear,
+            "LNMLPFunction": self.lnmlp._LayerNormMLP, "TELinear": mod, "TELayerNormLinear": mod,
+            "TELayerNormMLP": mod, "QuantizedTensorStorage": type("_Storage", (), {}),
+        }
+
+    def holders(self) -> dict:
+        return {f"{m.__name__}.{n}": getattr(m, n) for m in (self.linear, self.lnl, self.lnmlp)
+                for n in ("quantize_weight", "_Linear", "_LayerNormLinear", "_LayerNormMLP") if hasattr(m, n)}
+
+
+#: (module attribute of _StandInTE, seamed name) for every seamed name.
+SEAMED = [("linear", "quantize_weight"), ("lnl", "quantize_weight"), ("lnmlp", "quantize_weight"),
+          ("linear", "_Linear"), ("lnl", "_LayerNormLinear"), ("lnmlp", "_LayerNormMLP")]
+
+
+def _foreign_for(te: _StandInTE, where: str, name: str):
+    """What another library would put there: a wrapper or a subclass, defined in its own module."""
+    original = getattr(getattr(te, where), name)
+    if name == "quantize_weight":
+        def patched(**kwargs):
+            return original(**kwargs)
+
+        patched.__module__, patched.__qualname__ = "otherlib.patches", name
+        return patched
+    return type(name, (original,), {"__module__": "otherlib.patches"})
+
+
+def _load(monkeypatch, te: _StandInTE):
+    return load_binding(monkeypatch, te.compat(), "_steps", "_attribution", "_state", "_foreign", "_seams")
+
+
+def test_install_puts_every_seam_in_place_once(monkeypatch):
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    seams.install()
+    ours = {"quantize_weight": seams.managed_quantize_weight, "_Linear": seams._Linear,
+            "_LayerNormLinear": seams._LayerNormLinear, "_LayerNormMLP": seams._LayerNormMLP}
+    assert te.holders() == {
+        f"{getattr(te, w).__name__}.{n}": ours[n] for w, n in SEAMED}
+    seams.install()  # a second call changes nothing and does not raise
+    assert all(getattr(getattr(te, w), n) is ours[n] for w, n in SEAMED)
+
+
+@pytest.mark.parametrize("where, name", SEAMED, ids=[f"{w}.{n}" for w, n in SEAMED])
+@pytest.mark.parametrize("order", ["before_import", "after_import", "over_installed_seam"])
+def test_a_foreign_patch_is_refused_and_kept(monkeypatch, where, name, order):
+    te = _StandInTE()
+    module = getattr(te, where)
+    if order == "before_import":
+        setattr(module, name, _foreign_for(te, where, name))
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    if order == "over_installed_seam":
+        seams.install()
+    if order != "before_import":
+        setattr(module, name, _foreign_for(te, where, name))
+    foreign, before = getattr(module, name), te.holders()
+    with pytest.raises(binding["_foreign"].ForeignPatchError) as info:
+        seams.install()
+    message = str(info.value)
+    assert f"{module.__name__}.{name} is otherlib.patches.{name}, neither TE's" in message
+    assert "Nothing was changed" in message
+    assert te.holders() == before  # nothing moved: the foreign patch is kept
+    assert getattr(module, name) is foreign
+    with pytest.raises(binding["_foreign"].ForeignPatchError):
+        seams.install()  # and every later managed forward is refused too, not only the first
+
+
+def test_a_wrapper_keeping_tes_name_is_still_foreign(monkeypatch):
+    """``functools.wraps`` copies TE's module and qualname; ``__wrapped__`` gives it away."""
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    original = te.lnl.quantize_weight
+    te.lnl.quantize_weight = functools.wraps(original)(lambda **kw: original(**kw))
+    with pytest.raises(binding["_foreign"].ForeignPatchError, match="layernorm_linear.quantize_weight is"):
+        seams.install()
+
+
+def test_a_class_patched_at_import_and_removed_later_is_still_refused(monkeypatch):
+    """The seam subclasses what was there at import: a patch removed later
+    still sits under it, so install refuses."""
+    te = _StandInTE()
+    original = te.linear._Linear
+    te.linear._Linear = _foreign_for(te, "linear", "_Linear")
+    binding = _load(monkeypatch, te)
+    te.linear._Linear = original
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    with pytest.raises(binding["_foreign"].ForeignPatchError, match="when te_integration was imported"):
+        seams.install()
+    assert te.linear._Linear is original and te.lnl.quantize_weight is te.base.quantize_weight
