@@ -9,8 +9,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-#: NVLink multicast stays off (the device machines share GPUs; see
-#: benchmarks/README.md). Set only where the caller has not set them.
+#: NVLink multicast (NVLS) stays off: the benchmarks do not need it, and on
+#: hosts whose GPUs are shared or partitioned its setup can fail. Set only
+#: where the caller has not set them, so a user can turn it back on.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -19,7 +20,7 @@ def launch_message(name: str, argv: Sequence[str], ranks: int, world: int) -> st
     found = "it was started without torchrun" if world == 0 else f"it was started with {world} rank(s)"
     return (f"benchmarks.{name} runs FSDP2 on {ranks} GPUs, one process each, but {found}. Launch it with:\n"
             f"  torchrun --nproc_per_node={ranks} -m benchmarks.{name} {args}".rstrip() + "\n"
-            "(on the device machine, run `source .te-bundle/setup.sh` first; "
+            "(it needs TE: pip install -e '.[te,test,bench]'; "
             "`python -m benchmarks.run_all` launches every benchmark)")
 
 
@@ -41,7 +42,7 @@ def require_launch(name: str, argv: Sequence[str], *, ranks: int = 2) -> None:
         import te_integration  # noqa: F401
     except ImportError as err:
         raise SystemExit(f"benchmarks.{name} needs TransformerEngine 2.20 with te_integration: {err}\n"
-                         "On the device machine run `source .te-bundle/setup.sh` first.") from None
+                         "Install it with: pip install -e '.[te,test,bench]'") from None
 
 
 class Dist:

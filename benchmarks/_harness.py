@@ -133,9 +133,9 @@ def config_of(args: argparse.Namespace, **extra: Any) -> dict:
 # -- environment ---------------------------------------------------------------
 def git_commit() -> dict:
     """The commit and whether tracked files differ from it. ``TE_WM_COMMIT``,
-    if set, wins: the device machine's copy of the working tree may carry a
-    ``.git`` that is not the checkout's (run 2026-11-30 read an older HEAD
-    there). Without it and without git: ``"unknown"``."""
+    if set, wins: a copy of the working tree made for another machine may
+    hold a ``.git`` that is not the checkout's (run 2026-11-30 read an older
+    HEAD that way). Without it and without git: ``"unknown"``."""
     def git(*cmd: str) -> str | None:
         try:
             out = subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)

@@ -10,7 +10,7 @@ Each benchmark gets a share of what is left of ``--budget`` (passed as its
 skipped) and is killed 120 s after its share. Output goes to the terminal
 and to ``DIR/<name>.log``; then ``python -m benchmarks.plot`` draws every
 result, ``DIR/index.md`` lists the results, and ``--archive`` packs DIR
-into one file (the device machine returns at most 8 files).
+into one file, easy to move off the GPU machine.
 """
 
 from __future__ import annotations

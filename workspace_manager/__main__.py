@@ -1,12 +1,18 @@
-"""``python -m workspace_manager explain``: print the decision table."""
+"""``python -m workspace_manager explain`` (or ``workspace-manager explain``): print the decision table."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterable
 
 from ._explain import POLICY_CHOICES, decision_table, render_json, render_text
 from ._profiles import PROFILES, RECIPE_PROFILES
+
+#: The default --width: the table, its notes and its legend fit 120 columns.
+DEFAULT_WIDTH = 120
+#: Below this the plan columns of ``--full`` do not fit.
+MIN_WIDTH = 100
 
 
 def _profile_choices() -> dict[str, object]:
@@ -15,34 +21,78 @@ def _profile_choices() -> dict[str, object]:
     return choices
 
 
+def _case_insensitive(what: str, names: Iterable[str]) -> Callable[[str], str]:
+    """An argparse ``type`` that maps any spelling of a name to its canonical one."""
+    canonical = {n.lower(): n for n in names}
+
+    def parse(value: str) -> str:
+        try:
+            return canonical[value.lower()]
+        except KeyError:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {value!r} is no {what} (choose from {', '.join(canonical.values())}; "
+                "any case)"
+            ) from None
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _width(value: str) -> int:
+    try:
+        width = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of columns, received {value!r}") from None
+    if width < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_WIDTH} columns, received {width}")
+    return width
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workspace_manager")
     sub = parser.add_subparsers(dest="command", required=True)
     explain = sub.add_parser("explain", help="print the decision table (policy x setting x quantizer -> plan)")
     explain.add_argument("--json", action="store_true", help="print JSON instead of a text table")
     explain.add_argument(
-        "--policy", action="append", choices=POLICY_CHOICES, help="only this policy (repeatable)"
+        "--policy", action="append", type=_case_insensitive("policy", POLICY_CHOICES), metavar="POLICY",
+        help=f"only this policy (repeatable, any case): {', '.join(POLICY_CHOICES)}",
     )
     explain.add_argument(
-        "--quantizer",
-        action="append",
-        choices=sorted(_profile_choices()),
-        metavar="PROFILE",
-        help="only this quantizer profile or recipe name (repeatable); default: the five TE recipes. "
-        f"Choices: {', '.join(sorted(_profile_choices()))}",
+        "--recipe", action="append", type=_case_insensitive("recipe", RECIPE_PROFILES), metavar="RECIPE",
+        help=f"only this TE recipe's weight quantizer (repeatable, any case): {', '.join(RECIPE_PROFILES)}",
+    )
+    explain.add_argument(
+        "--quantizer", action="append", type=_case_insensitive("quantizer", _profile_choices()), metavar="PROFILE",
+        help="only this capability profile or recipe (repeatable, any case); default: the five TE recipes. "
+        f"Profiles: {', '.join(PROFILES)}",
     )
     explain.add_argument(
         "--full", action="store_true", help="also vary dgrad and backward_override (a longer table)"
     )
+    explain.add_argument("--why", action="store_true", help="print each plan's reasons under it")
+    explain.add_argument(
+        "--width", type=_width, default=DEFAULT_WIDTH,
+        help=f"wrap the text to this many columns (default {DEFAULT_WIDTH}, at least {MIN_WIDTH})",
+    )
     return parser
+
+
+def selected_profiles(quantizers: list[str] | None, recipes: list[str] | None) -> list:
+    """The profiles the options name, each once, in the order first named;
+    every TE recipe's when none is named."""
+    choices = _profile_choices()
+    named = [choices[n] for n in [*(recipes or []), *(quantizers or [])]]
+    if not named:
+        return list(RECIPE_PROFILES.values())
+    return list({caps.name: caps for caps in named}.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    choices = _profile_choices()
-    profiles = [choices[q] for q in args.quantizer] if args.quantizer else list(RECIPE_PROFILES.values())
-    rows = decision_table(profiles, args.policy, full=args.full)
-    sys.stdout.write(render_json(rows) + "\n" if args.json else render_text(rows))
+    profiles = selected_profiles(args.quantizer, args.recipe)
+    policies = list(dict.fromkeys(args.policy)) if args.policy else None
+    rows = decision_table(profiles, policies, full=args.full)
+    sys.stdout.write(render_json(rows) + "\n" if args.json else render_text(rows, width=args.width, why=args.why))
     return 0
 
 

@@ -7,7 +7,7 @@ their own API: ``set_usage`` + ``quantize`` build a storage, and the storage's
 other and adds nothing of its own, so the kit checks TE's code:
 
 - ``quantize`` sets the usages on the TE quantizer and quantizes the weight
-  moved to the device;
+  moved to the GPU;
 - ``update_usage`` calls the storage's ``update_usage``, which derives
   columnwise data from rowwise data (reference_current_scaling.py:127-132)
   and raises when asked for rowwise data it cannot make (line 128);

@@ -1,6 +1,7 @@
 """GPU tier: needs CUDA and TransformerEngine 2.20; every test skips with a reason otherwise.
 
-Run on the device machine with ``pytest -m gpu`` (see docs/te-integration.md).
+Run on a CUDA machine with TE (``pip install -e '.[te,test]'``) with ``pytest -m gpu``
+(see docs/te-integration.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The benchmark harness on CPU: arguments, planning, summaries with their
 targets, JSON and Markdown output, plotting, and the CPU benchmark end to end.
 
-The GPU benchmarks themselves run on the device machine; here their pure
+The GPU benchmarks themselves run on two CUDA GPUs with TE; here their pure
 parts (argument parsing, the planned configurations, the summary of raw
 samples) run on synthetic figures.
 """
@@ -114,7 +114,7 @@ def test_gpu_benchmark_without_torchrun_says_how_to_launch(module, monkeypatch):
         module.main(["--quick"])
     name = module.__name__.split(".")[-1]
     assert f"torchrun --nproc_per_node=2 -m benchmarks.{name} --quick" in str(info.value.code)
-    assert "source .te-bundle/setup.sh" in str(info.value.code)
+    assert "pip install -e '.[te,test,bench]'" in str(info.value.code)
 
 
 # -- planning (pure) -------------------------------------------------------------------
@@ -376,7 +376,7 @@ def test_attribution_rows_check_leftovers_and_split_the_forward_allocation():
 
 
 def test_env_commit_wins_over_git(monkeypatch):
-    """The device machine's copy may carry a stale .git; TE_WM_COMMIT names the real commit."""
+    """A copy of the checkout may hold a stale .git; TE_WM_COMMIT names the real commit."""
     monkeypatch.setenv("TE_WM_COMMIT", "c0ffee")
     assert h.git_commit()["commit"] == "c0ffee"
     monkeypatch.delenv("TE_WM_COMMIT")

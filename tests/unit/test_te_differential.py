@@ -1,8 +1,7 @@
 """Differential test: our policies against TE 2.20.2's own decisions.
 
 ``te_reference.py`` is a table of TE 2.20.2's decisions written by hand from
-``../shared/docs/te-2.20-internals.md`` and TE's source, independently of
-this package. For every case it covers, each of five decisions (cache,
+TE 2.20.2's source, independently of this package. For every case it covers, each of five decisions (cache,
 forward columnwise, workspace saved, backward rebuild, clear after
 backward) must either agree with TE or be explained by exactly the
 deliberate differences listed below, each of which has a section in
@@ -102,7 +101,7 @@ def te_decisions(case: ref.TECase, te: ref.TEDecision) -> dict[str, object]:
     if case.weight == "quantized_param":
         # quantized_model_init quantizes parameters with both usages under grad
         # (base.py:1848) and nothing drops them later, sharded or not
-        # (internals section 3, "FSDP2 hooks on parameters").
+        # (the FSDP2 all-gather hooks, e.g. ``tensor/float8_tensor.py:943-1052``).
         out["parameter_keeps"] = "rowwise+columnwise"
     if te.forward_columnwise is not None:
         out["forward_columnwise"] = te.forward_columnwise
@@ -272,7 +271,7 @@ def test_a_delayed_scaling_recompute_pass_under_fsdp2_rebuilds_as_te_does():
     delayed-scaling scale; TE's FSDP2 backward rebuilds with the scale of
     backward time. Saving the pass's copy (D3) would change dgrad's bytes,
     so with delayed scaling the plan is TE's: nothing saved, rebuilt in
-    backward. Found on the device: losses left stock's at step 2
+    backward. Found on GPUs: losses left stock's at step 2
     (benchmarks/results/bench-2026-11-30-d7db962)."""
     cases = [c for c in ref.ALL_CASES if c.recompute == "recompute" and _fsdp2(c) and _hp(c)
              and not c.module.startswith("LayerNormMLP") and c.backward_override == "none"

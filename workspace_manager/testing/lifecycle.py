@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._needs import require_hypothesis
+
+require_hypothesis(__name__)
+
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -6,6 +6,10 @@ own capability entries against every policy.
 
 from __future__ import annotations
 
+from ._needs import require_hypothesis
+
+require_hypothesis(__name__)
+
 from hypothesis import strategies as st
 
 from .._context import (
