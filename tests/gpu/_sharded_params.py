@@ -158,6 +158,7 @@ def dcp_round_trip(name: str) -> dict:
         try:
             state = get_model_state_dict(other)
             dcp.load(state, checkpoint_id=f"{folder}/stock")
+            set_model_state_dict(other, state)  # as the drop-in's load below does
             control = "stock into stock loads"
         except (Exception, CheckpointException) as err:  # the control's outcome is data
             control = f"stock into stock fails too: {str(err).splitlines()[-1][:300]}"

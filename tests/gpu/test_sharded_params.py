@@ -10,7 +10,7 @@ distributed checkpoint saved by stock TE loads into the drop-in model and back.
 from __future__ import annotations
 
 import pytest
-from _launch import two_rank_report
+from _launch import TE_WORLD1_BLOCK_QINIT, skip_known_te_failure, two_rank_report
 
 # TE and torch.distributed warn freely; the GPU tier checks numbers, not their warnings.
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
@@ -29,11 +29,13 @@ def _run(report, recipe, reshard):
     for r in report["runs"]:
         if r["recipe"] == recipe and r["reshard_after_forward"] == reshard:
             return r
+    skip_known_te_failure(report, recipe, True)  # every run here uses quantized_model_init
     pytest.fail(f"no run for {recipe} reshard={reshard}: {report['errors']}")
 
 
 def test_worker_ran_everything(report):
-    assert not report["errors"], "\n".join(e["where"] + "\n" + e["traceback"] for e in report["errors"])
+    errors = [e for e in report["errors"] if TE_WORLD1_BLOCK_QINIT not in e["traceback"] or report["world_size"] != 1]
+    assert not errors, "\n".join(e["where"] + "\n" + e["traceback"] for e in errors)
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
@@ -58,6 +60,8 @@ def test_step_time_no_worse_than_stock_beyond_run_to_run_spread(report, recipe, 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_distributed_checkpoint_round_trip(report, recipe):
     entries = [d for d in report["dcp"] if d["recipe"] == recipe]
+    if entries and TE_WORLD1_BLOCK_QINIT in entries[0].get("failed", ""):
+        skip_known_te_failure({**report, "errors": [{"traceback": entries[0]["failed"]}]}, recipe, True)
     assert entries, report["errors"]
     if "te_limitation" in entries[0]:
         pytest.skip(f"TE 2.20.2 with {recipe}: {entries[0]['te_limitation']}")
