@@ -61,6 +61,7 @@ from ._context import (
     WorkspaceContext,
 )
 from ._errors import ContextTypeError, PolicyMismatchError
+from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
 __all__ = [
@@ -535,8 +536,6 @@ def _assemble(
     release: Release,
     keeps: Usage,
 ) -> WorkspacePlan:
-    from ._explain import plan_notes  # notes are presentation; kept out of the decisions
-
     usage = backward_usage(ctx, source)
     notes = plan_notes(ctx, cache, forward, source, columnwise, release, keeps)
     return WorkspacePlan(
