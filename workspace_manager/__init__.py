@@ -47,9 +47,6 @@ from ._policy import (
     FSDP2WorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
-    plan_call,
-    resolve_policy,
-    select_policy,
 )
 from ._profiles import PROFILES, RECIPE_PROFILES
 from ._registry import (
@@ -59,6 +56,7 @@ from ._registry import (
     quantizer_capabilities,
     register_quantizer,
 )
+from ._selection import plan_call, resolve_policy, select_policy
 
 __version__ = "0.1.0"
 

@@ -42,22 +42,23 @@ n; "row" and "col" are the rowwise and columnwise data)::
     B_i: gather again ─► quantize col ─► dgrad ─► freed
 
 Bindings cite this note by its title where they act on a plan.
+
+Which policy plans a call (``select_policy``, ``resolve_policy``) and the
+bindings' memoized path (``plan_call``) live in ``_selection.py``; plan
+notes, which are presentation, in ``_notes.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ._context import (
     BackwardOverride,
     Microbatch,
-    QuantizerCapabilities,
     RecomputePass,
     RecomputeScope,
     Sharding,
-    WeightSource,
     WorkspaceContext,
 )
 from ._errors import ContextTypeError, PolicyMismatchError
@@ -69,9 +70,8 @@ __all__ = [
     "FSDP2WorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
-    "select_policy",
-    "resolve_policy",
     "backward_usage",
+    "base_policy_for",
 ]
 
 
@@ -222,7 +222,7 @@ def _sharding_mismatch(policy: WorkspacePolicy, ctx: WorkspaceContext) -> str:
     hint = {
         Sharding.NONE: "If the module should be sharded, call fully_shard on it (or an ancestor) "
         "before its first forward; otherwise pin WorkspacePolicy() or let select_policy choose.",
-    }.get(ctx.sharding, f"Pin {type(select_policy(ctx.as_plain_forward())).__name__}() or let select_policy choose.")
+    }.get(ctx.sharding, f"Pin {base_policy_for(ctx.sharding).__name__}() or let select_policy choose.")
     return (
         f"{type(policy).__name__} plans only for weights with sharding in ({allowed}); this call's "
         f"weight has Sharding.{ctx.sharding.name}. {hint}"
@@ -451,80 +451,18 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         return self.inner.parameter_keeps(ctx.as_plain_forward())
 
 
-_SHARDING_POLICIES: dict[Sharding, type[WorkspacePolicy]] = {
-    Sharding.NONE: WorkspacePolicy,
-    Sharding.FSDP2_RESHARD: FSDP2WorkspacePolicy,
-    Sharding.FSDP2_KEEP: FSDP2WorkspacePolicy,
-    Sharding.DISTRIBUTED_WEIGHT: DistributedWeightWorkspacePolicy,
-}
+#: The non-recompute policies, one per weight distribution (``shardings``).
+_BASE_POLICIES: tuple[type[WorkspacePolicy], ...] = (
+    WorkspacePolicy,
+    FSDP2WorkspacePolicy,
+    DistributedWeightWorkspacePolicy,
+)
 
 
-def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
-    """The policy the manager uses for a call when none is pinned: by the
-    weight's sharding, wrapped for recompute passes."""
-    if not isinstance(ctx, WorkspaceContext):
-        raise ContextTypeError(f"select_policy expects a WorkspaceContext; received {type(ctx).__name__}")
-    base = _SHARDING_POLICIES[ctx.sharding]()
-    if ctx.recompute is RecomputePass.NONE:
-        return base
-    return RecomputeWorkspacePolicy(inner=base)
-
-
-def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePolicy:
-    """The policy for a call: ``pinned`` if given (wrapped for recompute
-    passes when it is not a recompute policy itself), else :func:`select_policy`.
-
-    A pinned policy is not second-guessed: if it does not cover the call's
-    setting, planning raises :class:`PolicyMismatchError`.
-    """
-    if pinned is None:
-        return select_policy(ctx)
-    if not isinstance(pinned, WorkspacePolicy):
-        raise ContextTypeError(
-            f"a pinned policy must be a WorkspacePolicy instance (e.g. FSDP2WorkspacePolicy()); "
-            f"received {pinned!r} ({type(pinned).__name__})"
-        )
-    if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
-        return RecomputeWorkspacePolicy(inner=pinned)
-    return pinned
-
-
-@functools.lru_cache(maxsize=4096)
-def plan_call(
-    pinned: WorkspacePolicy | None,
-    capabilities: QuantizerCapabilities,
-    sharding: Sharding,
-    recompute: RecomputePass,
-    recompute_scope: RecomputeScope,
-    grad_enabled: bool,
-    input_requires_grad: bool,
-    weight: WeightSource,
-    microbatch: Microbatch,
-    backward_override: BackwardOverride,
-) -> tuple[WorkspaceContext, WorkspacePlan]:
-    """The context and plan of one module call, memoized per call shape.
-    The arguments after ``pinned`` are the context's fields, in order.
-
-    Bindings call this on every weight of every call. Building and checking
-    a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
-    training step repeats a handful of shapes, so each shape is described
-    and planned once per process. Sound because contexts are built from
-    these arguments alone and policies are frozen and pure (a policy's plan
-    depends on nothing but the context). Errors are not memoized: a call
-    that fails fails again.
-    """
-    ctx = WorkspaceContext(
-        capabilities=capabilities,
-        sharding=sharding,
-        recompute=recompute,
-        recompute_scope=recompute_scope,
-        grad_enabled=grad_enabled,
-        input_requires_grad=input_requires_grad,
-        weight=weight,
-        microbatch=microbatch,
-        backward_override=backward_override,
-    )
-    return ctx, resolve_policy(ctx, pinned).plan(ctx)
+def base_policy_for(sharding: Sharding) -> type[WorkspacePolicy]:
+    """The shipped policy that plans for a weight distribution outside
+    recompute passes: the one whose ``shardings`` hold it."""
+    return next(policy for policy in _BASE_POLICIES if sharding in policy.shardings)
 
 
 def _assemble(

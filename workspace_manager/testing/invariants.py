@@ -34,9 +34,9 @@ from .._policy import (
     FSDP2WorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
-    select_policy,
     _training_forward,
 )
+from .._selection import select_policy
 
 __all__ = [
     "InvariantViolation",
