@@ -279,7 +279,10 @@ class WorkspaceContext:
 
     def as_plain_forward(self) -> WorkspaceContext:
         """The same call with the recompute pass removed (for policies that
-        delegate the non-recompute part of a decision)."""
+        delegate the non-recompute part of a decision). A call outside
+        recompute is its own plain forward: no new context is built."""
+        if self.recompute is RecomputePass.NONE:
+            return self
         return _replace(self, recompute=RecomputePass.NONE, recompute_scope=RecomputeScope.REGION)
 
 

@@ -142,10 +142,7 @@ class WorkspacePolicy:
         return ctx.sharding in self.shardings and ctx.recompute is RecomputePass.NONE
 
     def check_context(self, ctx: WorkspaceContext) -> None:
-        if not isinstance(ctx, WorkspaceContext):
-            raise ContextTypeError(
-                f"{type(self).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
-            )
+        _require_context(self, ctx)
         if ctx.sharding not in self.shardings:
             raise PolicyMismatchError(_sharding_mismatch(self, ctx))
         if ctx.recompute is not RecomputePass.NONE:
@@ -156,13 +153,7 @@ class WorkspacePolicy:
             )
 
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        cache = self.cache_action(ctx)
-        forward = self.forward_usage(ctx, cache)
-        source = self.backward_source(ctx, cache)
-        columnwise = self.columnwise_source(ctx, source, forward)
-        release = self.release(ctx, cache)
-        keeps = self.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
-        return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
+        return _ask(self, ctx)
 
     # -- the six questions --------------------------------------------------
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
@@ -193,6 +184,24 @@ class WorkspacePolicy:
         parameter feeds the GEMMs itself, so it keeps both usages (TE's
         behaviour)."""
         return Usage.BOTH
+
+
+def _require_context(policy: WorkspacePolicy, ctx: object) -> None:
+    if not isinstance(ctx, WorkspaceContext):
+        raise ContextTypeError(
+            f"{type(policy).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
+        )
+
+
+def _ask(questions: WorkspacePolicy | _RecomputeCall, ctx: WorkspaceContext) -> WorkspacePlan:
+    """Ask a policy's questions about one call, in order, and assemble the plan."""
+    cache = questions.cache_action(ctx)
+    forward = questions.forward_usage(ctx, cache)
+    source = questions.backward_source(ctx, cache)
+    columnwise = questions.columnwise_source(ctx, source, forward)
+    release = questions.release(ctx, cache)
+    keeps = questions.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
+    return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
 
 
 def _columnwise_for(
@@ -331,12 +340,6 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
         return source
 
 
-def _training_forward(ctx: WorkspaceContext) -> WorkspaceContext:
-    """A recompute pass's call as its inner policy sees it: the step's real
-    forward, with grad, even when a reentrant first pass runs without it."""
-    return replace(ctx.as_plain_forward(), grad_enabled=True)
-
-
 @dataclass(frozen=True)
 class RecomputeWorkspacePolicy(WorkspacePolicy):
     """For modules inside activation recompute (``te.checkpoint``,
@@ -349,9 +352,9 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     only read, never written; the workspace is built with the usages
     backward needs and saved, since that layer's backward follows at once,
     so it is never quantized twice (except where that would change dgrad's
-    bytes: see ``_rebuilds_as_inner``). Caching and what is released after
-    backward are the inner policy's decisions. Calls outside a recompute
-    region are planned by ``inner`` unchanged.
+    bytes: see ``_RecomputeCall.rebuilds_as_inner``). Caching and what is
+    released after backward are the inner policy's decisions. Calls outside
+    a recompute region are planned by ``inner`` unchanged.
     """
 
     inner: WorkspacePolicy = field(default_factory=WorkspacePolicy)
@@ -371,59 +374,113 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def covers(self, ctx: WorkspaceContext) -> bool:
         return ctx.sharding in self.shardings
 
+    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        # The inner policy's view of the call is derived once, here, and
+        # serves both the check and every question.
+        _require_context(self, ctx)
+        plain = ctx.as_plain_forward()
+        self._check_plain(plain)
+        return self._plan_from(ctx, plain)
+
     def check_context(self, ctx: WorkspaceContext) -> None:
+        _require_context(self, ctx)
+        self._check_plain(ctx.as_plain_forward())
+
+    def _check_plain(self, plain: WorkspaceContext) -> None:
         try:
-            self.inner.check_context(ctx.as_plain_forward())
+            self.inner.check_context(plain)
         except PolicyMismatchError as err:
             raise PolicyMismatchError(f"{self!r} cannot plan this call: {err}") from None
 
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        return self._plan_from(ctx, ctx.as_plain_forward())
+
+    def _plan_from(self, ctx: WorkspaceContext, plain: WorkspaceContext) -> WorkspacePlan:
         if ctx.recompute is RecomputePass.NONE:
             return self.inner._plan_unchecked(ctx)
+        call = _RecomputeCall.of(self.inner, plain)
         if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
             # Non-reentrant checkpointing: backward runs this pass's autograd
             # nodes with the tensors the recompute pass saves, matched by
             # position, so this pass must save exactly what that pass saves.
             # Only the cache action is its own (it may fill what the
-            # recompute pass then reads).
-            replay = super()._plan_unchecked(replace(ctx, recompute=RecomputePass.RECOMPUTE))
+            # recompute pass then reads). Both passes share one inner view.
+            replay = _ask(call, replace(ctx, recompute=RecomputePass.RECOMPUTE))
             return _assemble(
-                ctx, self.cache_action(ctx), replay.forward_usage, replay.backward_source,
+                ctx, call.cache_action(ctx), replay.forward_usage, replay.backward_source,
                 replay.columnwise_source, replay.release, replay.parameter_keeps,
             )
-        return super()._plan_unchecked(ctx)
+        return _ask(call, ctx)
 
-    def _inner_cache(self, ctx: WorkspaceContext) -> CacheAction:
-        return self.inner.cache_action(_training_forward(ctx))
+    # The questions, one at a time (each derives the inner view for itself;
+    # ``plan`` derives it once for all of them).
+    def _call(self, ctx: WorkspaceContext) -> _RecomputeCall:
+        return _RecomputeCall.of(self.inner, ctx.as_plain_forward())
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
-        cache = self._inner_cache(ctx)
-        if ctx.recompute is RecomputePass.RECOMPUTE and cache is not CacheAction.BYPASS:
+        return self._call(ctx).cache_action(ctx)
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        return self._call(ctx).forward_usage(ctx, cache)
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        return self._call(ctx).backward_source(ctx, cache)
+
+    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
+        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
+
+    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
+        return self._call(ctx).release(ctx, cache)
+
+    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
+        return self.inner.parameter_keeps(ctx.as_plain_forward())
+
+
+@dataclass(frozen=True)
+class _RecomputeCall:
+    """A recompute pass's call as its inner policy sees it, derived once per
+    call: the call without its pass (``plain``), the step's real forward
+    with grad even when a reentrant first pass runs without it
+    (``training``), and the inner policy's cache action for that forward.
+    Answers the recompute policy's questions for a context of either pass."""
+
+    inner: WorkspacePolicy
+    plain: WorkspaceContext
+    training: WorkspaceContext
+    inner_cache: CacheAction
+
+    @classmethod
+    def of(cls, inner: WorkspacePolicy, plain: WorkspaceContext) -> _RecomputeCall:
+        training = plain if plain.grad_enabled else replace(plain, grad_enabled=True)
+        return cls(inner, plain, training, inner.cache_action(training))
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        if ctx.recompute is RecomputePass.RECOMPUTE and self.inner_cache is not CacheAction.BYPASS:
             return CacheAction.READ_ONLY
-        return cache
+        return self.inner_cache
 
     def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
         if ctx.is_quantized_param:
             return Usage.ROWWISE
         if self.inner.backward_regathers:
-            return self.inner.forward_usage(ctx.as_plain_forward(), cache)
+            return self.inner.forward_usage(self.plain, cache)
         if ctx.recompute is RecomputePass.FIRST:
             later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
             return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
-        if self._rebuilds_as_inner(ctx):
-            return self.inner.forward_usage(ctx.as_plain_forward(), self._inner_cache(ctx))
+        if self.rebuilds_as_inner(ctx):
+            return self.inner.forward_usage(self.plain, self.inner_cache)
         return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
 
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         if ctx.recompute is RecomputePass.FIRST:
             return BackwardSource.NONE
         if self.inner.backward_regathers:
-            return self.inner.backward_source(ctx.as_plain_forward(), cache)
-        if self._rebuilds_as_inner(ctx):
+            return self.inner.backward_source(self.plain, cache)
+        if self.rebuilds_as_inner(ctx):
             return BackwardSource.REQUANTIZE
         return _source_without_rebuild(ctx)
 
-    def _rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
+    def rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
         """Whether the recompute pass must leave dgrad's copy to the inner
         policy's backward rebuild instead of saving its own.
 
@@ -436,19 +493,18 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         """
         if ctx.recompute_scope is RecomputeScope.MODULE or ctx.capabilities.requantization_safe:
             return False
-        rebuild = self.inner.backward_source(_training_forward(ctx), self._inner_cache(ctx))
-        return rebuild is BackwardSource.REQUANTIZE
+        return self.inner.backward_source(self.training, self.inner_cache) is BackwardSource.REQUANTIZE
 
     def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
-        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
+        return self.inner.columnwise_source(self.plain, source, forward)
 
     def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
         if ctx.recompute is RecomputePass.FIRST:
             return Release.NOTHING
-        return self.inner.release(ctx.as_plain_forward(), self._inner_cache(ctx))
+        return self.inner.release(self.plain, self.inner_cache)
 
     def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
-        return self.inner.parameter_keeps(ctx.as_plain_forward())
+        return self.inner.parameter_keeps(self.plain)
 
 
 #: The non-recompute policies, one per weight distribution (``shardings``).

@@ -34,7 +34,6 @@ from .._policy import (
     FSDP2WorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
-    _training_forward,
 )
 from .._selection import select_policy
 
@@ -180,7 +179,8 @@ def inexact_region_recompute_rebuilds_as_the_inner_policy(
         return
     if ctx.recompute_scope is not RecomputeScope.REGION or ctx.capabilities.requantization_safe:
         return
-    if policy.inner.plan(_training_forward(ctx)).backward_source is BackwardSource.REQUANTIZE:
+    # A recompute pass always has grad: its plain forward is the step's real one.
+    if policy.inner.plan(ctx.as_plain_forward()).backward_source is BackwardSource.REQUANTIZE:
         _require(
             plan.backward_source is BackwardSource.REQUANTIZE,
             f"the inner policy rebuilds in backward, but the recompute pass gives backward "
