@@ -1,9 +1,23 @@
 """Workspace policies: one pure ``plan(context)`` per policy.
 
 [Note: workspace lifetime]
-A "workspace" is the quantized copy of a high-precision weight. Its life
-per policy, for one training step (F = forward, B = backward, layer i of
-n; "row" and "col" are the rowwise and columnwise data)::
+A "workspace" is the quantized copy of a high-precision weight. Four
+decisions govern its life. A WorkspacePlan answers the four decisions in
+seven fields:
+
+  1. cache:          ``cache``
+  2. forward usage:  ``forward_usage``; for a quantized parameter also
+                     ``parameter_keeps``
+  3. backward:       ``backward_source``, ``columnwise_source``, and
+                     ``backward_usage`` (which follows from the source)
+  4. release:        ``release``
+
+``notes`` says why, in words. A policy answers the four decisions through
+six methods, one per chosen field: ``cache_action``, ``forward_usage``,
+``parameter_keeps``, ``backward_source``, ``columnwise_source``, ``release``.
+
+The life per policy, for one training step (F = forward, B = backward,
+layer i of n; "row" and "col" are the rowwise and columnwise data)::
 
   WorkspacePolicy (plain; whole weights)
     F_i: quantize row+col ──► saved for B_i ──► B_i: dgrad reads col ──► freed with the autograd graph
@@ -118,10 +132,11 @@ class WorkspacePolicy:
     nothing explicitly. This is TE 2.20.2's behaviour, minus the waste
     listed in ``docs/decisions.md``.
 
-    Subclasses answer the same five questions (``cache_action``,
-    ``forward_usage``, ``backward_source``, ``columnwise_source``,
-    ``release``); :meth:`plan` asks them in order. See [Note: workspace
-    lifetime] in this module.
+    Subclasses answer the four decisions through the same six methods, one
+    per chosen plan field (``cache_action``, ``forward_usage``,
+    ``parameter_keeps``, ``backward_source``, ``columnwise_source``,
+    ``release``); :meth:`plan` asks them in order. [Note: workspace
+    lifetime] in this module says which field answers which decision.
     """
 
     #: Weight distributions this policy plans for.
@@ -155,7 +170,7 @@ class WorkspacePolicy:
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
         return _ask(self, ctx)
 
-    # -- the six questions --------------------------------------------------
+    # -- the six methods, one per chosen plan field -------------------------
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         """Is the workspace cached across calls, and refreshed this call?"""
         return _cache_by_microbatch(ctx)

@@ -1,10 +1,9 @@
 """Differential test: our policies against TE 2.20.2's own decisions.
 
 ``te_reference.py`` is a table of TE 2.20.2's decisions written by hand from
-``../shared/docs/te-2.20-internals.md`` and TE's source, independently of
-this package. For every case it covers, each of five decisions (cache,
-forward columnwise, workspace saved, backward rebuild, clear after
-backward) must either agree with TE or be explained by exactly the
+TE 2.20.2's source, independently of this package. For every case it
+covers, each of five compared facts (cache, forward columnwise, workspace
+saved, backward rebuild, clear after backward) must either agree with TE or be explained by exactly the
 deliberate differences listed below, each of which has a section in
 ``docs/decisions.md``. A difference no entry explains fails the test, and
 so does an entry that explains nothing (the list cannot rot).
