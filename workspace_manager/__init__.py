@@ -29,7 +29,7 @@ from ._errors import (
     WorkspaceManagerError,
 )
 from ._fsdp2 import detect_fsdp2_sharding
-from ._ledger import (
+from .attribution import (
     Lifetime,
     LiveWorkspace,
     TimelinePoint,

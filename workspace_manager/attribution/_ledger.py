@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ContextTypeError
-from ._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
+from .._errors import ContextTypeError
+from .._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
 
 __all__ = [
     "WorkspaceKind",
