@@ -48,7 +48,7 @@ from ._policy import (
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
-from ._profiles import PROFILES, RECIPE_PROFILES
+from ._profiles import PROFILES, RECIPE_PROFILES, TE_QUANTIZER_PROFILES
 from ._registry import (
     ENTRY_POINT_GROUP,
     QuantizerRegistry,
@@ -106,6 +106,7 @@ __all__ = [
     "quantizer_capabilities",
     "PROFILES",
     "RECIPE_PROFILES",
+    "TE_QUANTIZER_PROFILES",
     # errors
     "WorkspaceManagerError",
     "InvalidContextError",

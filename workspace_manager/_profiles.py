@@ -1,7 +1,7 @@
 """Capability profiles of TE's weight quantizers, defined without importing TE.
 
-The facts come from TE 2.20.2's tensor classes (see
-``../shared/docs/te-2.20-internals.md`` section 3): which formats can derive
+The facts come from TE 2.20.2's tensor classes
+(``transformer_engine/pytorch/tensor/*_tensor.py``): which formats can derive
 columnwise data from rowwise data, which keep derived data in memory they
 allocate themselves, and which re-quantize exactly.
 """

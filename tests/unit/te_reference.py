@@ -12,7 +12,6 @@ offloading, no torch.compile (Linear runs ``_linear_eager``), no userbuffers,
 ``fuse_wgrad_accumulation=False``, weights with ``requires_grad=True``.
 
 Sources:
-  * /work/shared/docs/te-2.20-internals.md, sections 1, 2 (decision tables), 3, 6;
   * TE 2.20.2 Python source, ``transformer_engine/pytorch/module/{base,linear,
     layernorm_linear,layernorm_mlp}.py`` and ``distributed.py`` /
     ``distributed_weight.py`` (line numbers below refer to those files).

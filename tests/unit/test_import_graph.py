@@ -114,3 +114,49 @@ def test_an_acyclic_package_passes(tmp_path):
     graph = import_graph(tmp_path, "pkg")
     assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
     assert find_cycle(graph) is None
+
+
+# -- private names across packages ---------------------------------------------------------------
+
+REPO = PACKAGE_DIR.parent
+#: Packages that use the core from outside; what they need must be public.
+CONSUMERS = ("te_integration", "benchmarks", "examples")
+
+
+def private_imports(root: Path, package: str) -> list[str]:
+    """``file: statement`` for each import, under ``root``, of a private
+    module or name of ``package`` (a dotted part or a name starting with _)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules, names = [node.module], [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [alias.name for alias in node.names], []
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] != package:
+                    continue
+                if any(p.startswith("_") for p in parts[1:]) or any(n.startswith("_") for n in names):
+                    found.append(f"{path.relative_to(root)}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_consumer_imports_a_private_name_of_the_core():
+    for consumer in CONSUMERS:
+        assert (REPO / consumer).is_dir(), consumer
+        assert private_imports(REPO / consumer, "workspace_manager") == []
+
+
+def test_a_private_import_from_another_package_is_found(tmp_path):
+    _write(tmp_path, {
+        "ok.py": "from workspace_manager import plan_call\nimport workspace_manager.testing\n",
+        "bad.py": "from workspace_manager._profiles import X\n",
+        "worse.py": "def f():\n    from workspace_manager.testing import _model\n",
+    })
+    assert private_imports(tmp_path, "workspace_manager") == [
+        "bad.py: from workspace_manager._profiles import X",
+        "worse.py: from workspace_manager.testing import _model",
+    ]
