@@ -62,7 +62,7 @@ from transformer_engine.pytorch.distributed_weight import is_distributed_weight 
 from transformer_engine.pytorch.graph import is_graph_capturing  # noqa: E402
 from transformer_engine.pytorch.jit import no_torch_dynamo  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: E402
-from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage, Quantizer  # noqa: E402
+from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage  # noqa: E402
 from transformer_engine.pytorch.tensor.utils import clear_columnwise_cache  # noqa: E402
 
 TELinear = tep.Linear

@@ -39,11 +39,6 @@ class CacheAction(enum.Enum):
         """The call may store a workspace in the cache."""
         return self in (CacheAction.FILL, CacheAction.REUSE)
 
-    @property
-    def reads(self) -> bool:
-        """The call may use a workspace already in the cache."""
-        return self in (CacheAction.REUSE, CacheAction.READ_ONLY)
-
 
 class Usage(enum.Flag):
     """Directions of quantized data: rowwise feeds fprop, columnwise feeds dgrad."""

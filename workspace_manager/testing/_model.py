@@ -102,9 +102,6 @@ class FakeQuantizer:
     def live_bytes(self) -> int:
         return sum(ws.nbytes for ws in self._live.values())
 
-    def holders_of(self, ws: FakeWorkspace) -> frozenset[str]:
-        return frozenset(self._holders.get(ws.ident, ()))
-
 
 @dataclass
 class _Pending:
