@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -469,3 +470,14 @@ def test_runner_progress_line_reads_paired_times():
 
     line = _short({"step_time_s": {"stock": [0.010, 0.012], "dropin": [0.011]}})
     assert "stock 11.00 ms" in line and "dropin 11.00 ms" in line
+
+
+def test_the_package_table_lists_every_benchmark_module():
+    import benchmarks
+
+    here = Path(benchmarks.__file__).parent
+    modules = {p.stem for p in here.glob("*.py") if not p.stem.startswith("_")}
+    listed = set(re.findall(r"^\| ``(\w+)`` \|", benchmarks.__doc__, re.M))
+    assert listed, "the table was not found"
+    # plot is named in the prose above the table: it draws, it measures nothing
+    assert modules - {"plot"} == listed
