@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
-from typing import Any
 
 #: NVLink multicast (NVLS) stays off: the benchmarks do not need it, and on
 #: hosts whose GPUs are shared or partitioned its setup can fail. Set only
@@ -77,12 +76,6 @@ class Dist:
         t = self._torch.tensor(list(values), dtype=self._torch.float64, device="cuda")
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
         return [float(v) for v in t.tolist()]
-
-    def all_equal(self, value: Any) -> bool:
-        """Whether every rank holds the same ``value`` (a picklable object)."""
-        gathered: list[Any] = [None] * self.world
-        self._dist.all_gather_object(gathered, value)
-        return all(v == gathered[0] for v in gathered)
 
     def barrier(self) -> None:
         self._dist.barrier()

@@ -29,7 +29,7 @@ from ._errors import (
     WorkspaceManagerError,
 )
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, probe_fsdp2_sharding
-from ._ledger import (
+from .attribution import (
     Lifetime,
     LiveWorkspace,
     TimelinePoint,
@@ -47,11 +47,8 @@ from ._policy import (
     FSDP2WorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
-    plan_call,
-    resolve_policy,
-    select_policy,
 )
-from ._profiles import PROFILES, RECIPE_PROFILES
+from ._profiles import PROFILES, RECIPE_PROFILES, TE_QUANTIZER_PROFILES
 from ._registry import (
     ENTRY_POINT_GROUP,
     QuantizerRegistry,
@@ -59,6 +56,7 @@ from ._registry import (
     quantizer_capabilities,
     register_quantizer,
 )
+from ._selection import plan_call, resolve_policy, select_policy
 
 __version__ = "0.1.0"
 
@@ -110,6 +108,7 @@ __all__ = [
     "quantizer_capabilities",
     "PROFILES",
     "RECIPE_PROFILES",
+    "TE_QUANTIZER_PROFILES",
     # errors
     "WorkspaceManagerError",
     "InvalidContextError",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ._errors import ContextTypeError, InvalidContextError
@@ -279,8 +279,11 @@ class WorkspaceContext:
 
     def as_plain_forward(self) -> WorkspaceContext:
         """The same call with the recompute pass removed (for policies that
-        delegate the non-recompute part of a decision)."""
-        return _replace(self, recompute=RecomputePass.NONE, recompute_scope=RecomputeScope.REGION)
+        delegate the non-recompute part of a decision). A call outside
+        recompute is its own plain forward: no new context is built."""
+        if self.recompute is RecomputePass.NONE:
+            return self
+        return replace(self, recompute=RecomputePass.NONE, recompute_scope=RecomputeScope.REGION)
 
 
 def valid_contexts(
@@ -316,9 +319,3 @@ def valid_contexts(
             microbatch=mb,
             backward_override=override,
         )
-
-
-def _replace(ctx: WorkspaceContext, **changes: Any) -> WorkspaceContext:
-    values = {f.name: getattr(ctx, f.name) for f in fields(ctx) if f.init}
-    values.update(changes)
-    return WorkspaceContext(**values)

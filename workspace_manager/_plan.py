@@ -1,8 +1,12 @@
 """What a policy decides for one call: a :class:`WorkspacePlan`.
 
-One field per decision, each an enum: whether the cache is used, which
-usages forward builds, what backward gets and where its columnwise data
-comes from, and what is released afterwards.
+Four decisions govern a workspace's life. A plan answers the four decisions
+in seven fields, each an enum: cache (``cache``); forward usage (``forward_usage``;
+for a quantized parameter also ``parameter_keeps``); backward
+(``backward_source``, ``columnwise_source``, and ``backward_usage``, which
+follows from the source); release (``release``). ``notes`` says why, in
+words. The statement of record is [Note: workspace lifetime] in
+``workspace_manager._policy``.
 """
 
 from __future__ import annotations
@@ -34,11 +38,6 @@ class CacheAction(enum.Enum):
     def writes(self) -> bool:
         """The call may store a workspace in the cache."""
         return self in (CacheAction.FILL, CacheAction.REUSE)
-
-    @property
-    def reads(self) -> bool:
-        """The call may use a workspace already in the cache."""
-        return self in (CacheAction.REUSE, CacheAction.READ_ONLY)
 
 
 class Usage(enum.Flag):
@@ -119,7 +118,10 @@ class Release(enum.Flag):
 
 @dataclass(frozen=True, slots=True)
 class WorkspacePlan:
-    """The four workspace decisions for one call.
+    """The four workspace decisions for one call, in seven fields: cache
+    (``cache``); forward usage (``forward_usage``, ``parameter_keeps``);
+    backward (``backward_source``, ``columnwise_source``,
+    ``backward_usage``); release (``release``).
 
     Plans are values: equal inputs give equal plans, and plans hash, so a
     binding may memoize them per context.

@@ -1,9 +1,23 @@
 """Workspace policies: one pure ``plan(context)`` per policy.
 
 [Note: workspace lifetime]
-A "workspace" is the quantized copy of a high-precision weight. Its life
-per policy, for one training step (F = forward, B = backward, layer i of
-n; "row" and "col" are the rowwise and columnwise data)::
+A "workspace" is the quantized copy of a high-precision weight. Four
+decisions govern its life. A WorkspacePlan answers the four decisions in
+seven fields:
+
+  1. cache:          ``cache``
+  2. forward usage:  ``forward_usage``; for a quantized parameter also
+                     ``parameter_keeps``
+  3. backward:       ``backward_source``, ``columnwise_source``, and
+                     ``backward_usage`` (which follows from the source)
+  4. release:        ``release``
+
+``notes`` says why, in words. A policy answers the four decisions through
+six methods, one per chosen field: ``cache_action``, ``forward_usage``,
+``parameter_keeps``, ``backward_source``, ``columnwise_source``, ``release``.
+
+The life per policy, for one training step (F = forward, B = backward,
+layer i of n; "row" and "col" are the rowwise and columnwise data)::
 
   WorkspacePolicy (plain; whole weights)
     F_i: quantize row+col ──► saved for B_i ──► B_i: dgrad reads col ──► freed with the autograd graph
@@ -42,25 +56,27 @@ n; "row" and "col" are the rowwise and columnwise data)::
     B_i: gather again ─► quantize col ─► dgrad ─► freed
 
 Bindings cite this note by its title where they act on a plan.
+
+Which policy plans a call (``select_policy``, ``resolve_policy``) and the
+bindings' memoized path (``plan_call``) live in ``_selection.py``; plan
+notes, which are presentation, in ``_notes.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ._context import (
     BackwardOverride,
     Microbatch,
-    QuantizerCapabilities,
     RecomputePass,
     RecomputeScope,
     Sharding,
-    WeightSource,
     WorkspaceContext,
 )
 from ._errors import ContextTypeError, PolicyMismatchError
+from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
 __all__ = [
@@ -68,9 +84,8 @@ __all__ = [
     "FSDP2WorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
-    "select_policy",
-    "resolve_policy",
     "backward_usage",
+    "base_policy_for",
 ]
 
 
@@ -117,10 +132,11 @@ class WorkspacePolicy:
     nothing explicitly. This is TE 2.20.2's behaviour, minus the waste
     listed in ``docs/decisions.md``.
 
-    Subclasses answer the same five questions (``cache_action``,
-    ``forward_usage``, ``backward_source``, ``columnwise_source``,
-    ``release``); :meth:`plan` asks them in order. See [Note: workspace
-    lifetime] in this module.
+    Subclasses answer the four decisions through the same six methods, one
+    per chosen plan field (``cache_action``, ``forward_usage``,
+    ``parameter_keeps``, ``backward_source``, ``columnwise_source``,
+    ``release``); :meth:`plan` asks them in order. [Note: workspace
+    lifetime] in this module says which field answers which decision.
     """
 
     #: Weight distributions this policy plans for.
@@ -141,10 +157,7 @@ class WorkspacePolicy:
         return ctx.sharding in self.shardings and ctx.recompute is RecomputePass.NONE
 
     def check_context(self, ctx: WorkspaceContext) -> None:
-        if not isinstance(ctx, WorkspaceContext):
-            raise ContextTypeError(
-                f"{type(self).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
-            )
+        _require_context(self, ctx)
         if ctx.sharding not in self.shardings:
             raise PolicyMismatchError(_sharding_mismatch(self, ctx))
         if ctx.recompute is not RecomputePass.NONE:
@@ -155,15 +168,9 @@ class WorkspacePolicy:
             )
 
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        cache = self.cache_action(ctx)
-        forward = self.forward_usage(ctx, cache)
-        source = self.backward_source(ctx, cache)
-        columnwise = self.columnwise_source(ctx, source, forward)
-        release = self.release(ctx, cache)
-        keeps = self.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
-        return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
+        return _ask(self, ctx)
 
-    # -- the six questions --------------------------------------------------
+    # -- the six methods, one per chosen plan field -------------------------
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         """Is the workspace cached across calls, and refreshed this call?"""
         return _cache_by_microbatch(ctx)
@@ -194,6 +201,24 @@ class WorkspacePolicy:
         return Usage.BOTH
 
 
+def _require_context(policy: WorkspacePolicy, ctx: object) -> None:
+    if not isinstance(ctx, WorkspaceContext):
+        raise ContextTypeError(
+            f"{type(policy).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
+        )
+
+
+def _ask(questions: WorkspacePolicy | _RecomputeCall, ctx: WorkspaceContext) -> WorkspacePlan:
+    """Ask a policy's questions about one call, in order, and assemble the plan."""
+    cache = questions.cache_action(ctx)
+    forward = questions.forward_usage(ctx, cache)
+    source = questions.backward_source(ctx, cache)
+    columnwise = questions.columnwise_source(ctx, source, forward)
+    release = questions.release(ctx, cache)
+    keeps = questions.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
+    return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
+
+
 def _columnwise_for(
     ctx: WorkspaceContext, source: BackwardSource, forward: Usage, *, parameter: ColumnwiseSource
 ) -> ColumnwiseSource:
@@ -221,7 +246,7 @@ def _sharding_mismatch(policy: WorkspacePolicy, ctx: WorkspaceContext) -> str:
     hint = {
         Sharding.NONE: "If the module should be sharded, call fully_shard on it (or an ancestor) "
         "before its first forward; otherwise pin WorkspacePolicy() or let select_policy choose.",
-    }.get(ctx.sharding, f"Pin {type(select_policy(ctx.as_plain_forward())).__name__}() or let select_policy choose.")
+    }.get(ctx.sharding, f"Pin {base_policy_for(ctx.sharding).__name__}() or let select_policy choose.")
     return (
         f"{type(policy).__name__} plans only for weights with sharding in ({allowed}); this call's "
         f"weight has Sharding.{ctx.sharding.name}. {hint}"
@@ -330,12 +355,6 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
         return source
 
 
-def _training_forward(ctx: WorkspaceContext) -> WorkspaceContext:
-    """A recompute pass's call as its inner policy sees it: the step's real
-    forward, with grad, even when a reentrant first pass runs without it."""
-    return replace(ctx.as_plain_forward(), grad_enabled=True)
-
-
 @dataclass(frozen=True)
 class RecomputeWorkspacePolicy(WorkspacePolicy):
     """For modules inside activation recompute (``te.checkpoint``,
@@ -348,9 +367,9 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     only read, never written; the workspace is built with the usages
     backward needs and saved, since that layer's backward follows at once,
     so it is never quantized twice (except where that would change dgrad's
-    bytes: see ``_rebuilds_as_inner``). Caching and what is released after
-    backward are the inner policy's decisions. Calls outside a recompute
-    region are planned by ``inner`` unchanged.
+    bytes: see ``_RecomputeCall.rebuilds_as_inner``). Caching and what is
+    released after backward are the inner policy's decisions. Calls outside
+    a recompute region are planned by ``inner`` unchanged.
     """
 
     inner: WorkspacePolicy = field(default_factory=WorkspacePolicy)
@@ -370,59 +389,113 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def covers(self, ctx: WorkspaceContext) -> bool:
         return ctx.sharding in self.shardings
 
+    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        # The inner policy's view of the call is derived once, here, and
+        # serves both the check and every question.
+        _require_context(self, ctx)
+        plain = ctx.as_plain_forward()
+        self._check_plain(plain)
+        return self._plan_from(ctx, plain)
+
     def check_context(self, ctx: WorkspaceContext) -> None:
+        _require_context(self, ctx)
+        self._check_plain(ctx.as_plain_forward())
+
+    def _check_plain(self, plain: WorkspaceContext) -> None:
         try:
-            self.inner.check_context(ctx.as_plain_forward())
+            self.inner.check_context(plain)
         except PolicyMismatchError as err:
             raise PolicyMismatchError(f"{self!r} cannot plan this call: {err}") from None
 
     def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        return self._plan_from(ctx, ctx.as_plain_forward())
+
+    def _plan_from(self, ctx: WorkspaceContext, plain: WorkspaceContext) -> WorkspacePlan:
         if ctx.recompute is RecomputePass.NONE:
             return self.inner._plan_unchecked(ctx)
+        call = _RecomputeCall.of(self.inner, plain)
         if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
             # Non-reentrant checkpointing: backward runs this pass's autograd
             # nodes with the tensors the recompute pass saves, matched by
             # position, so this pass must save exactly what that pass saves.
             # Only the cache action is its own (it may fill what the
-            # recompute pass then reads).
-            replay = super()._plan_unchecked(replace(ctx, recompute=RecomputePass.RECOMPUTE))
+            # recompute pass then reads). Both passes share one inner view.
+            replay = _ask(call, replace(ctx, recompute=RecomputePass.RECOMPUTE))
             return _assemble(
-                ctx, self.cache_action(ctx), replay.forward_usage, replay.backward_source,
+                ctx, call.cache_action(ctx), replay.forward_usage, replay.backward_source,
                 replay.columnwise_source, replay.release, replay.parameter_keeps,
             )
-        return super()._plan_unchecked(ctx)
+        return _ask(call, ctx)
 
-    def _inner_cache(self, ctx: WorkspaceContext) -> CacheAction:
-        return self.inner.cache_action(_training_forward(ctx))
+    # The questions, one at a time (each derives the inner view for itself;
+    # ``plan`` derives it once for all of them).
+    def _call(self, ctx: WorkspaceContext) -> _RecomputeCall:
+        return _RecomputeCall.of(self.inner, ctx.as_plain_forward())
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
-        cache = self._inner_cache(ctx)
-        if ctx.recompute is RecomputePass.RECOMPUTE and cache is not CacheAction.BYPASS:
+        return self._call(ctx).cache_action(ctx)
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        return self._call(ctx).forward_usage(ctx, cache)
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        return self._call(ctx).backward_source(ctx, cache)
+
+    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
+        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
+
+    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
+        return self._call(ctx).release(ctx, cache)
+
+    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
+        return self.inner.parameter_keeps(ctx.as_plain_forward())
+
+
+@dataclass(frozen=True)
+class _RecomputeCall:
+    """A recompute pass's call as its inner policy sees it, derived once per
+    call: the call without its pass (``plain``), the step's real forward
+    with grad even when a reentrant first pass runs without it
+    (``training``), and the inner policy's cache action for that forward.
+    Answers the recompute policy's questions for a context of either pass."""
+
+    inner: WorkspacePolicy
+    plain: WorkspaceContext
+    training: WorkspaceContext
+    inner_cache: CacheAction
+
+    @classmethod
+    def of(cls, inner: WorkspacePolicy, plain: WorkspaceContext) -> _RecomputeCall:
+        training = plain if plain.grad_enabled else replace(plain, grad_enabled=True)
+        return cls(inner, plain, training, inner.cache_action(training))
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        if ctx.recompute is RecomputePass.RECOMPUTE and self.inner_cache is not CacheAction.BYPASS:
             return CacheAction.READ_ONLY
-        return cache
+        return self.inner_cache
 
     def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
         if ctx.is_quantized_param:
             return Usage.ROWWISE
         if self.inner.backward_regathers:
-            return self.inner.forward_usage(ctx.as_plain_forward(), cache)
+            return self.inner.forward_usage(self.plain, cache)
         if ctx.recompute is RecomputePass.FIRST:
             later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
             return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
-        if self._rebuilds_as_inner(ctx):
-            return self.inner.forward_usage(ctx.as_plain_forward(), self._inner_cache(ctx))
+        if self.rebuilds_as_inner(ctx):
+            return self.inner.forward_usage(self.plain, self.inner_cache)
         return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
 
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         if ctx.recompute is RecomputePass.FIRST:
             return BackwardSource.NONE
         if self.inner.backward_regathers:
-            return self.inner.backward_source(ctx.as_plain_forward(), cache)
-        if self._rebuilds_as_inner(ctx):
+            return self.inner.backward_source(self.plain, cache)
+        if self.rebuilds_as_inner(ctx):
             return BackwardSource.REQUANTIZE
         return _source_without_rebuild(ctx)
 
-    def _rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
+    def rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
         """Whether the recompute pass must leave dgrad's copy to the inner
         policy's backward rebuild instead of saving its own.
 
@@ -435,95 +508,32 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
         """
         if ctx.recompute_scope is RecomputeScope.MODULE or ctx.capabilities.requantization_safe:
             return False
-        rebuild = self.inner.backward_source(_training_forward(ctx), self._inner_cache(ctx))
-        return rebuild is BackwardSource.REQUANTIZE
+        return self.inner.backward_source(self.training, self.inner_cache) is BackwardSource.REQUANTIZE
 
     def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
-        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
+        return self.inner.columnwise_source(self.plain, source, forward)
 
     def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
         if ctx.recompute is RecomputePass.FIRST:
             return Release.NOTHING
-        return self.inner.release(ctx.as_plain_forward(), self._inner_cache(ctx))
+        return self.inner.release(self.plain, self.inner_cache)
 
     def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
-        return self.inner.parameter_keeps(ctx.as_plain_forward())
+        return self.inner.parameter_keeps(self.plain)
 
 
-_SHARDING_POLICIES: dict[Sharding, type[WorkspacePolicy]] = {
-    Sharding.NONE: WorkspacePolicy,
-    Sharding.FSDP2_RESHARD: FSDP2WorkspacePolicy,
-    Sharding.FSDP2_KEEP: FSDP2WorkspacePolicy,
-    Sharding.DISTRIBUTED_WEIGHT: DistributedWeightWorkspacePolicy,
-}
+#: The non-recompute policies, one per weight distribution (``shardings``).
+_BASE_POLICIES: tuple[type[WorkspacePolicy], ...] = (
+    WorkspacePolicy,
+    FSDP2WorkspacePolicy,
+    DistributedWeightWorkspacePolicy,
+)
 
 
-def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
-    """The policy the manager uses for a call when none is pinned: by the
-    weight's sharding, wrapped for recompute passes."""
-    if not isinstance(ctx, WorkspaceContext):
-        raise ContextTypeError(f"select_policy expects a WorkspaceContext; received {type(ctx).__name__}")
-    base = _SHARDING_POLICIES[ctx.sharding]()
-    if ctx.recompute is RecomputePass.NONE:
-        return base
-    return RecomputeWorkspacePolicy(inner=base)
-
-
-def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePolicy:
-    """The policy for a call: ``pinned`` if given (wrapped for recompute
-    passes when it is not a recompute policy itself), else :func:`select_policy`.
-
-    A pinned policy is not second-guessed: if it does not cover the call's
-    setting, planning raises :class:`PolicyMismatchError`.
-    """
-    if pinned is None:
-        return select_policy(ctx)
-    if not isinstance(pinned, WorkspacePolicy):
-        raise ContextTypeError(
-            f"a pinned policy must be a WorkspacePolicy instance (e.g. FSDP2WorkspacePolicy()); "
-            f"received {pinned!r} ({type(pinned).__name__})"
-        )
-    if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
-        return RecomputeWorkspacePolicy(inner=pinned)
-    return pinned
-
-
-@functools.lru_cache(maxsize=4096)
-def plan_call(
-    pinned: WorkspacePolicy | None,
-    capabilities: QuantizerCapabilities,
-    sharding: Sharding,
-    recompute: RecomputePass,
-    recompute_scope: RecomputeScope,
-    grad_enabled: bool,
-    input_requires_grad: bool,
-    weight: WeightSource,
-    microbatch: Microbatch,
-    backward_override: BackwardOverride,
-) -> tuple[WorkspaceContext, WorkspacePlan]:
-    """The context and plan of one module call, memoized per call shape.
-    The arguments after ``pinned`` are the context's fields, in order.
-
-    Bindings call this on every weight of every call. Building and checking
-    a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
-    training step repeats a handful of shapes, so each shape is described
-    and planned once per process. Sound because contexts are built from
-    these arguments alone and policies are frozen and pure (a policy's plan
-    depends on nothing but the context). Errors are not memoized: a call
-    that fails fails again.
-    """
-    ctx = WorkspaceContext(
-        capabilities=capabilities,
-        sharding=sharding,
-        recompute=recompute,
-        recompute_scope=recompute_scope,
-        grad_enabled=grad_enabled,
-        input_requires_grad=input_requires_grad,
-        weight=weight,
-        microbatch=microbatch,
-        backward_override=backward_override,
-    )
-    return ctx, resolve_policy(ctx, pinned).plan(ctx)
+def base_policy_for(sharding: Sharding) -> type[WorkspacePolicy]:
+    """The shipped policy that plans for a weight distribution outside
+    recompute passes: the one whose ``shardings`` hold it."""
+    return next(policy for policy in _BASE_POLICIES if sharding in policy.shardings)
 
 
 def _assemble(
@@ -535,8 +545,6 @@ def _assemble(
     release: Release,
     keeps: Usage,
 ) -> WorkspacePlan:
-    from ._explain import plan_notes  # notes are presentation; kept out of the decisions
-
     usage = backward_usage(ctx, source)
     notes = plan_notes(ctx, cache, forward, source, columnwise, release, keeps)
     return WorkspacePlan(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -158,6 +159,30 @@ def test_other_plans():
 
 
 # -- summaries and targets -----------------------------------------------------------
+_JUDGED = {"peak allocated over baseline", "allocated after step over baseline", "forward increment per layer",
+           "losses identical to stock"}
+
+
+def _assert_every_target_judged_and_met(rows: list[dict]) -> None:
+    """Every row with a target is judged and passes; a summary that judged
+    nothing (every ok None) fails."""
+    judged = [r for r in rows if r["ok"] is not None]
+    assert _JUDGED <= {r["metric"] for r in judged}, "a row with a target was not judged"
+    assert all((r["ok"] is None) == (not r["target"]) for r in rows), "ok is set exactly on rows with a target"
+    assert all(r["ok"] is True for r in judged), [r["metric"] for r in judged if r["ok"] is not True]
+
+
+def test_the_target_check_fails_when_nothing_is_judged_or_a_target_is_missed():
+    args, samples = fsdp2_samples()
+    rows = fsdp2_memory.summarize(samples, args)["rows"]
+    unjudged = [{**r, "ok": None} for r in rows]
+    with pytest.raises(AssertionError, match="was not judged"):
+        _assert_every_target_judged_and_met(unjudged)
+    missed = [{**r, "ok": False} if r["metric"] == "peak allocated over baseline" else r for r in rows]
+    with pytest.raises(AssertionError, match="peak allocated over baseline"):
+        _assert_every_target_judged_and_met(missed)
+
+
 def test_fsdp2_summary_checks_every_target():
     args, samples = fsdp2_samples()
     summary = fsdp2_memory.summarize(samples, args)
@@ -165,7 +190,7 @@ def test_fsdp2_summary_checks_every_target():
     metrics = {r["metric"] for r in rows}
     assert {"peak allocated over baseline", "allocated after step over baseline", "forward increment per layer",
             "median step time", "losses identical to stock", "peak growth per layer"} <= metrics
-    assert all(r["ok"] for r in rows if r["ok"] is not None)
+    _assert_every_target_judged_and_met(rows)
     fwd = next(r for r in rows if r["metric"] == "forward increment per layer")
     assert fwd["target"].startswith("<= bf16 + 50 KiB") and fwd["bf16"] == 516.5
     assert [s["id"] for s in summary["series"]] == ["depth_peak", "depth_after_step"]
@@ -445,3 +470,14 @@ def test_runner_progress_line_reads_paired_times():
 
     line = _short({"step_time_s": {"stock": [0.010, 0.012], "dropin": [0.011]}})
     assert "stock 11.00 ms" in line and "dropin 11.00 ms" in line
+
+
+def test_the_package_table_lists_every_benchmark_module():
+    import benchmarks
+
+    here = Path(benchmarks.__file__).parent
+    modules = {p.stem for p in here.glob("*.py") if not p.stem.startswith("_")}
+    listed = set(re.findall(r"^\| ``(\w+)`` \|", benchmarks.__doc__, re.M))
+    assert listed, "the table was not found"
+    # plot is named in the prose above the table: it draws, it measures nothing
+    assert modules - {"plot"} == listed

@@ -82,6 +82,21 @@ def test_fsdp2_policy_on_an_unsharded_weight_says_what_to_do():
     assert "FSDP2WorkspacePolicy" in msg and "Sharding.NONE" in msg and "fully_shard" in msg
 
 
+@pytest.mark.parametrize(
+    "sharding, expected",
+    [
+        (Sharding.FSDP2_RESHARD, "Pin FSDP2WorkspacePolicy()"),
+        (Sharding.FSDP2_KEEP, "Pin FSDP2WorkspacePolicy()"),
+        (Sharding.DISTRIBUTED_WEIGHT, "Pin DistributedWeightWorkspacePolicy()"),
+    ],
+)
+def test_a_policy_on_a_sharded_weight_names_the_policy_for_that_sharding(sharding, expected):
+    ctx = WorkspaceContext(capabilities=CAPS, sharding=sharding)
+    with pytest.raises(PolicyMismatchError) as info:
+        WorkspacePolicy().plan(ctx)
+    assert expected in str(info.value)
+
+
 def test_plain_policy_refuses_recompute_and_names_the_wrapper():
     ctx = WorkspaceContext(capabilities=CAPS, recompute=RecomputePass.FIRST)
     with pytest.raises(PolicyMismatchError, match=r"RecomputeWorkspacePolicy\(inner=WorkspacePolicy\(\)\)"):

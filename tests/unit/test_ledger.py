@@ -89,7 +89,7 @@ def test_parameter_columnwise_lifetimes():
 
 
 def test_buffers_are_split_by_direction_from_their_names(q, weight):
-    from workspace_manager._ledger import direction_of
+    from workspace_manager.attribution._ledger import direction_of
 
     handle = q.quantize(weight, rowwise=True, columnwise=True)
     assert set(buffers_of(handle)) == {"rowwise", "columnwise", "scale"}

@@ -22,6 +22,7 @@ from workspace_manager.testing import (
     QuantizerUnderTest,
     check_quantizer,
 )
+from workspace_manager.testing import invariants as inv
 from workspace_manager.testing.reference import (
     FLOAT8_MAX,
     REFERENCE_CAPABILITIES,
@@ -65,7 +66,10 @@ def test_the_reference_quantizer_passes_the_kit():
     assert report.passed and report.quantizer == "workspace_manager.testing.reference.Float8PerTensorQuantizer"
     names = [r.name for r in report.results]
     assert names[:5] == ["protocol", "usages", "columnwise_derivable", "derived_caches", "requantization_safe"]
-    assert sum(n.startswith("policy: ") for n in names) >= 16
+    # The policy invariants read only the capability flags: one result, apart from the quantizer's checks.
+    assert not any(n.startswith("policy") for n in names)
+    assert report.policy.name == "policy checks (independent of your quantizer)" and not report.policy.failed
+    assert report.policy.reason.startswith(f"{len(inv.PLAN_INVARIANTS) + len(inv.CONTEXT_INVARIANTS)} invariants held")
     assert sum(n.startswith("lifecycle: ") for n in names) == 16
     assert str(report).startswith(
         f"check_quantizer(workspace_manager.testing.reference.Float8PerTensorQuantizer): all {len(names)} checks passed"
@@ -159,7 +163,7 @@ def test_an_object_without_the_protocol_fails_the_protocol_check_only():
     assert report["protocol"].failed
     assert "lacks quantize, update_usage, clear_derived, usages, bytes_held, dequantize" in report["protocol"].reason
     assert report["usages"].status is CheckStatus.SKIPPED
-    assert all(not r.failed for r in report.results if r.name.startswith("policy: "))
+    assert not report.policy.failed
 
 
 def test_capabilities_default_to_the_registered_ones():
@@ -201,3 +205,22 @@ def test_a_factory_that_raises_without_capabilities_is_a_user_error():
     report = check_quantizer(factory, QuantizerCapabilities(
         name="x", columnwise_derivable=False, derived_caches=False, requantization_safe=True))
     assert report["protocol"].failed and "factory() raised OSError: no device" in str(report)
+
+
+def test_a_broken_policy_invariant_fails_the_report_but_is_not_blamed_on_the_quantizer(monkeypatch):
+    import workspace_manager.testing._kit as kit
+
+    def never_holds(policy, ctx, plan):
+        raise inv.InvariantViolation("broken on purpose")
+
+    monkeypatch.setattr(kit, "PLAN_INVARIANTS", (*inv.PLAN_INVARIANTS, never_holds))
+    report = check_quantizer(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, **FAST)
+    assert report.policy.failed and not report.passed
+    assert report.failures == (report.policy,)
+    assert "1 of 20 broken, a bug in workspace_manager" in report.policy.reason
+    assert "policy: never_holds: broken on" in report.policy.reason
+    text = str(report)
+    assert f"all {len(report.results)} checks passed" in text.splitlines()[0]
+    assert "FAIL  policy checks (independent of your quantizer)" in text
+    with pytest.raises(QuantizerCheckError):
+        report.raise_for_failures()

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from .._context import QuantizerCapabilities, RecomputePass, Sharding, WeightSource, WorkspaceContext
 from .._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
-from .._policy import WorkspacePolicy, resolve_policy
+from .._policy import WorkspacePolicy
+from .._selection import resolve_policy
 
 __all__ = ["FakeWorkspace", "FakeQuantizer", "ModuleRuntime", "RuntimeModelError"]
 
@@ -100,9 +101,6 @@ class FakeQuantizer:
 
     def live_bytes(self) -> int:
         return sum(ws.nbytes for ws in self._live.values())
-
-    def holders_of(self, ws: FakeWorkspace) -> frozenset[str]:
-        return frozenset(self._holders.get(ws.ident, ()))
 
 
 @dataclass

@@ -55,6 +55,12 @@ class QuantizerReport:
     capabilities: QuantizerCapabilities
     """The capabilities it was checked against."""
     results: tuple[CheckResult, ...]
+    """The checks of the quantizer itself."""
+    policy: CheckResult | None = None
+    """The policy invariants for these capabilities, summed up in one result.
+    They read only the three capability flags, never the quantizer, so they
+    are reported once and not counted among the checks of the quantizer;
+    they still fail the report if they break (a bug in workspace_manager)."""
 
     @property
     def passed(self) -> bool:
@@ -62,13 +68,16 @@ class QuantizerReport:
 
     @property
     def failures(self) -> tuple[CheckResult, ...]:
-        return tuple(r for r in self.results if r.failed)
+        return tuple(r for r in self._all() if r.failed)
+
+    def _all(self) -> tuple[CheckResult, ...]:
+        return self.results if self.policy is None else (*self.results, self.policy)
 
     def __getitem__(self, name: str) -> CheckResult:
-        for result in self.results:
+        for result in self._all():
             if result.name == name:
                 return result
-        raise KeyError(f"no check named {name!r}; checks: {', '.join(r.name for r in self.results)}")
+        raise KeyError(f"no check named {name!r}; checks: {', '.join(r.name for r in self._all())}")
 
     def raise_for_failures(self) -> None:
         """Raise :class:`QuantizerCheckError` (an AssertionError) if any check failed."""
@@ -78,7 +87,8 @@ class QuantizerReport:
     def __str__(self) -> str:
         caps = self.capabilities
         skipped = sum(r.status is CheckStatus.SKIPPED for r in self.results)
-        verdict = f"{len(self.failures)} of {len(self.results)} checks failed" if self.failures else (
+        own_failures = [r for r in self.results if r.failed]
+        verdict = f"{len(own_failures)} of {len(self.results)} checks failed" if own_failures else (
             f"all {len(self.results) - skipped} checks passed"
         )
         lines = [
@@ -86,6 +96,8 @@ class QuantizerReport:
             f"  claimed: {caps.name} (columnwise_derivable={caps.columnwise_derivable}, "
             f"derived_caches={caps.derived_caches}, requantization_safe={caps.requantization_safe})",
         ]
+        if self.policy is not None:
+            lines.append(self.policy.render())
         ordered = sorted(self.results, key=lambda r: not r.failed)  # failures first, order kept otherwise
         return "\n".join(lines + [r.render() for r in ordered])
 

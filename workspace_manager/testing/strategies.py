@@ -22,7 +22,8 @@ from .._context import (
     WeightSource,
     WorkspaceContext,
 )
-from .._policy import WorkspacePolicy, select_policy
+from .._policy import WorkspacePolicy
+from .._selection import select_policy
 from .._profiles import PROFILES
 from .invariants import SHIPPED_POLICIES
 

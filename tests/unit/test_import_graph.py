@@ -1,0 +1,162 @@
+"""Nothing under ``workspace_manager/`` imports in a circle.
+
+The graph is drawn from the source (ast), not from ``sys.modules``: an
+import inside a function counts as much as one at the top, since a cycle
+hidden behind a deferred import is still a cycle a reader must untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import workspace_manager
+
+PACKAGE_DIR = Path(workspace_manager.__file__).parent
+
+
+def _module_name(root: Path, package: str, path: Path) -> str:
+    parts = [package, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.AST, here: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package's modules that one import statement loads explicitly."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+        return {name for name in names if name in modules}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    if node.level:
+        base = here.split(".") if is_package else here.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    found = {source} if source in modules else set()
+    # ``from .pkg import mod`` loads the submodule ``pkg.mod`` too.
+    found |= {f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in modules}
+    return found
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> modules of the same package it imports (relative or absolute)."""
+    files = {_module_name(root, package, p): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            edges |= _targets(node, name, is_package, set(files))
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_workspace_manager_has_no_import_cycle():
+    graph = import_graph(PACKAGE_DIR, "workspace_manager")
+    # The graph must see the package: a walker that found no edges would pass vacuously.
+    assert "workspace_manager._policy" in graph["workspace_manager"]
+    assert "workspace_manager._notes" in graph["workspace_manager._policy"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_cycle_through_a_deferred_relative_import_is_found(tmp_path):
+    _write(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from .b import thing\n",
+        "b.py": "def f():\n    from .sub import c\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from ..a import x\n",
+    })
+    cycle = find_cycle(import_graph(tmp_path, "pkg"))
+    assert cycle == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+def test_a_cycle_through_absolute_imports_is_found(tmp_path):
+    _write(tmp_path, {"__init__.py": "", "a.py": "import pkg.b\n", "b.py": "from pkg import a\n"})
+    assert find_cycle(import_graph(tmp_path, "pkg")) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_an_acyclic_package_passes(tmp_path):
+    _write(tmp_path, {"__init__.py": "from .a import x\n", "a.py": "from .b import y\n", "b.py": "import os\n"})
+    graph = import_graph(tmp_path, "pkg")
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
+    assert find_cycle(graph) is None
+
+
+# -- private names across packages ---------------------------------------------------------------
+
+REPO = PACKAGE_DIR.parent
+#: Packages that use the core from outside; what they need must be public.
+CONSUMERS = ("te_integration", "benchmarks", "examples")
+
+
+def private_imports(root: Path, package: str) -> list[str]:
+    """``file: statement`` for each import, under ``root``, of a private
+    module or name of ``package`` (a dotted part or a name starting with _)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules, names = [node.module], [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [alias.name for alias in node.names], []
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] != package:
+                    continue
+                if any(p.startswith("_") for p in parts[1:]) or any(n.startswith("_") for n in names):
+                    found.append(f"{path.relative_to(root)}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_consumer_imports_a_private_name_of_the_core():
+    for consumer in CONSUMERS:
+        assert (REPO / consumer).is_dir(), consumer
+        assert private_imports(REPO / consumer, "workspace_manager") == []
+
+
+def test_a_private_import_from_another_package_is_found(tmp_path):
+    _write(tmp_path, {
+        "ok.py": "from workspace_manager import plan_call\nimport workspace_manager.testing\n",
+        "bad.py": "from workspace_manager._profiles import X\n",
+        "worse.py": "def f():\n    from workspace_manager.testing import _model\n",
+    })
+    assert private_imports(tmp_path, "workspace_manager") == [
+        "bad.py: from workspace_manager._profiles import X",
+        "worse.py: from workspace_manager.testing import _model",
+    ]

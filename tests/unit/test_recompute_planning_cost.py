@@ -1,0 +1,90 @@
+"""Planning one recompute call derives the inner policy's view of it once.
+
+Each question of the recompute policy used to derive the call as its inner
+policy sees it again: 18 contexts for a recompute pass, 21 for a
+non-reentrant first pass. Now ``plan`` derives it once: the call without its
+pass, plus, at most, the step's real forward (a reentrant first pass runs
+without grad) or the recompute pass that a non-reentrant first pass replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from workspace_manager import (
+    PROFILES,
+    FSDP2WorkspacePolicy,
+    RecomputePass,
+    RecomputeWorkspacePolicy,
+    Sharding,
+    WorkspaceContext,
+    WorkspacePolicy,
+    plan_call,
+    select_policy,
+)
+from workspace_manager._context import valid_contexts
+
+#: Contexts one ``plan`` of a recompute call may build.
+MAX_PER_PLAN = 2
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """A counter of the WorkspaceContexts constructed while it is read."""
+    count = [0]
+    original = WorkspaceContext.__post_init__
+
+    def counting(self):
+        count[0] += 1
+        original(self)
+
+    monkeypatch.setattr(WorkspaceContext, "__post_init__", counting)
+    return count
+
+
+def _recompute_contexts():
+    for caps in PROFILES.values():
+        for ctx in valid_contexts(caps, passes=[RecomputePass.FIRST, RecomputePass.RECOMPUTE]):
+            yield ctx
+
+
+def test_the_counter_counts(built):
+    WorkspaceContext(capabilities=PROFILES["mxfp8"])
+    assert built[0] == 1
+
+
+def test_planning_a_recompute_call_builds_at_most_two_contexts(built):
+    worst = {}
+    for ctx in _recompute_contexts():
+        policy = select_policy(ctx)
+        assert isinstance(policy, RecomputeWorkspacePolicy)
+        built[0] = 0
+        policy.plan(ctx)
+        key = (ctx.recompute, ctx.grad_enabled)
+        worst[key] = max(worst.get(key, 0), built[0])
+    assert worst, "no recompute context was planned"
+    assert max(worst.values()) <= MAX_PER_PLAN, worst
+    # A recompute pass has grad and replays nothing: its plain view is all it builds.
+    assert worst[(RecomputePass.RECOMPUTE, True)] == 1
+
+
+def test_planning_a_call_outside_recompute_builds_no_context(built):
+    for policy in (WorkspacePolicy(), RecomputeWorkspacePolicy(inner=WorkspacePolicy())):
+        for ctx in valid_contexts(PROFILES["mxfp8"], shardings=[Sharding.NONE], passes=[RecomputePass.NONE]):
+            built[0] = 0
+            policy.plan(ctx)
+            assert built[0] == 0, (policy, ctx)
+
+
+def test_the_bindings_path_builds_the_call_plus_at_most_two(built):
+    plan_call.cache_clear()
+    pinned = FSDP2WorkspacePolicy()
+    for ctx in _recompute_contexts():
+        if ctx.sharding not in pinned.shardings:
+            continue
+        args = tuple(getattr(ctx, f.name) for f in fields(ctx))
+        built[0] = 0
+        plan_call(pinned, *args)
+        assert built[0] <= 1 + MAX_PER_PLAN, ctx

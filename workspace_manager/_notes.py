@@ -1,0 +1,71 @@
+"""Plan notes: why a plan is what it is, in words.
+
+Notes are presentation, derived from the context and the decisions alone.
+They live apart from the policies (which attach them to every plan) and from
+the decision table (which prints them), so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+from ._context import Microbatch, RecomputePass, Sharding, WorkspaceContext
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
+
+__all__ = ["plan_notes"]
+
+
+def plan_notes(
+    ctx: WorkspaceContext,
+    cache: CacheAction,
+    forward: Usage,
+    source: BackwardSource,
+    columnwise: ColumnwiseSource,
+    release: Release,
+    keeps: Usage = Usage.NONE,
+) -> tuple[str, ...]:
+    """Why a plan is what it is, one short sentence per decision that needs one."""
+    notes = [_cache_note(ctx, cache)]
+    if source is BackwardSource.REGATHER:
+        notes.append("nothing is saved; backward gathers the distributed weight again")
+    elif source is BackwardSource.REQUANTIZE:
+        notes.append("nothing quantized is saved; backward quantizes the weight it has again")
+        if ctx.recompute is RecomputePass.RECOMPUTE:
+            notes.append(
+                "this pass quantizes with the first pass's scale, backward with its own: the rebuild "
+                "is kept so that dgrad sees TE's bytes"
+            )
+    if columnwise is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
+        notes.append(
+            f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
+            "quantization than fprop (TE 2.20 does the same)"
+        )
+    if source is BackwardSource.NONE and ctx.training and not ctx.input_requires_grad:
+        notes.append("no dgrad: nothing is kept for backward")
+    if columnwise is ColumnwiseSource.DERIVED:
+        notes.append(f"columnwise derived from rowwise ({ctx.capabilities.name} allows it)")
+    if Release.DERIVED_COLUMNWISE in release:
+        notes.append("derived columnwise data cleared after backward; FSDP2 cannot free it (TE#2717)")
+    if Release.CACHED_WORKSPACE in release:
+        notes.append("cached workspace dropped after the step's last backward")
+    if keeps is Usage.ROWWISE:
+        notes.append("the sharded parameter keeps rowwise data only: its all-gather sends no more")
+    return tuple(n for n in notes if n)
+
+
+def _cache_note(ctx: WorkspaceContext, cache: CacheAction) -> str:
+    if cache is CacheAction.FILL:
+        return "first microbatch: quantize into the cache"
+    if cache is CacheAction.REUSE:
+        return "later microbatch: weight unchanged, reuse the cache"
+    if cache is CacheAction.READ_ONLY:
+        return "recompute pass: read the cache, never write it"
+    if ctx.is_quantized_param:
+        return "quantized parameter: nothing to cache"
+    if ctx.sharding is Sharding.FSDP2_RESHARD:
+        return "FSDP2 reshards after forward: no cached copy per layer (TE#2681)"
+    if ctx.sharding is Sharding.DISTRIBUTED_WEIGHT:
+        return "distributed weight: no cached copy of the gathered weight"
+    if ctx.microbatch is Microbatch.NONE:
+        return "no microbatch position: not cached"
+    if ctx.grad_enabled and not ctx.capabilities.requantization_safe:
+        return f"{ctx.capabilities.name} does not requantize exactly: reusing would differ from TE, not cached"
+    return "no backward to drop a cache after: not cached"

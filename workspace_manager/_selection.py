@@ -1,0 +1,95 @@
+"""Which policy plans a call, and the bindings' memoized path to its plan.
+
+Separate from ``_policy.py``, which holds only the decisions: choosing a
+policy (by the weight's sharding, or the one a user pinned) and remembering
+plans per call shape are jobs around the policies, not decisions about a
+workspace.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ._context import (
+    BackwardOverride,
+    Microbatch,
+    QuantizerCapabilities,
+    RecomputePass,
+    RecomputeScope,
+    Sharding,
+    WeightSource,
+    WorkspaceContext,
+)
+from ._errors import ContextTypeError
+from ._plan import WorkspacePlan
+from ._policy import RecomputeWorkspacePolicy, WorkspacePolicy, base_policy_for
+
+__all__ = ["select_policy", "resolve_policy", "plan_call"]
+
+
+def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
+    """The policy the manager uses for a call when none is pinned: by the
+    weight's sharding, wrapped for recompute passes."""
+    if not isinstance(ctx, WorkspaceContext):
+        raise ContextTypeError(f"select_policy expects a WorkspaceContext; received {type(ctx).__name__}")
+    base = base_policy_for(ctx.sharding)()
+    if ctx.recompute is RecomputePass.NONE:
+        return base
+    return RecomputeWorkspacePolicy(inner=base)
+
+
+def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePolicy:
+    """The policy for a call: ``pinned`` if given (wrapped for recompute
+    passes when it is not a recompute policy itself), else :func:`select_policy`.
+
+    A pinned policy is not second-guessed: if it does not cover the call's
+    setting, planning raises :class:`PolicyMismatchError`.
+    """
+    if pinned is None:
+        return select_policy(ctx)
+    if not isinstance(pinned, WorkspacePolicy):
+        raise ContextTypeError(
+            f"a pinned policy must be a WorkspacePolicy instance (e.g. FSDP2WorkspacePolicy()); "
+            f"received {pinned!r} ({type(pinned).__name__})"
+        )
+    if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
+        return RecomputeWorkspacePolicy(inner=pinned)
+    return pinned
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_call(
+    pinned: WorkspacePolicy | None,
+    capabilities: QuantizerCapabilities,
+    sharding: Sharding,
+    recompute: RecomputePass,
+    recompute_scope: RecomputeScope,
+    grad_enabled: bool,
+    input_requires_grad: bool,
+    weight: WeightSource,
+    microbatch: Microbatch,
+    backward_override: BackwardOverride,
+) -> tuple[WorkspaceContext, WorkspacePlan]:
+    """The context and plan of one module call, memoized per call shape.
+    The arguments after ``pinned`` are the context's fields, in order.
+
+    Bindings call this on every weight of every call. Building and checking
+    a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
+    training step repeats a handful of shapes, so each shape is described
+    and planned once per process. Sound because contexts are built from
+    these arguments alone and policies are frozen and pure (a policy's plan
+    depends on nothing but the context). Errors are not memoized: a call
+    that fails fails again.
+    """
+    ctx = WorkspaceContext(
+        capabilities=capabilities,
+        sharding=sharding,
+        recompute=recompute,
+        recompute_scope=recompute_scope,
+        grad_enabled=grad_enabled,
+        input_requires_grad=input_requires_grad,
+        weight=weight,
+        microbatch=microbatch,
+        backward_override=backward_override,
+    )
+    return ctx, resolve_policy(ctx, pinned).plan(ctx)
