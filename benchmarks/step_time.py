@@ -27,6 +27,7 @@ microbatch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ ORDER = ("stock", "dropin", "stock_again")
 def parser() -> argparse.ArgumentParser:
     p = h.make_parser(NAME, __doc__)
     p.add_argument("--inits", type=h.csv_choices(h.INITS), help="bf16 (bf16 params), qinit (quantized_model_init)")
+    p.add_argument("--seq", type=h.positive_int, default=None,
+                   help="sequence length per (micro)batch instead of the size's own")
     p.add_argument("--microbatches", type=h.int_list,
                    help="microbatch counts per step (default 1); above 1, reshard_after_forward=False")
     return p
@@ -60,8 +63,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return h.parse_args(parser(), argv, DEFAULTS)
 
 
-def case_specs(size_name: str, layers: int, recipe: str, init: str, micro: int = 1) -> dict[str, ModelSpec]:
-    size = SIZES[size_name]
+def case_specs(size_name: str, layers: int, recipe: str, init: str, micro: int = 1,
+               seq: int | None = None) -> dict[str, ModelSpec]:
+    size = SIZES[size_name] if seq is None else dataclasses.replace(SIZES[size_name], seq=seq)
     qinit = init == "qinit"
     # Microbatches only pay off when the gathered weight stays between them.
     return {label: ModelSpec(size=size, layers=layers, recipe=recipe, managed=label == "dropin", quantized_init=qinit,
@@ -69,8 +73,8 @@ def case_specs(size_name: str, layers: int, recipe: str, init: str, micro: int =
             for label in ORDER}
 
 
-def case_name(size_name: str, layers: int, recipe: str, init: str, micro: int) -> str:
-    case = f"{size_name} {layers}L {recipe} {h.INIT_LABELS[init]}"
+def case_name(size_name: str, layers: int, recipe: str, init: str, micro: int, seq: int | None = None) -> str:
+    case = f"{size_name} {layers}L {recipe} {h.INIT_LABELS[init]}" + (f" seq {seq}" if seq else "")
     return case if micro == 1 else f"{case} x{micro} microbatches"
 
 
@@ -86,8 +90,9 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
         layers = args.layers or SIZES[size_name].layers
         steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=micro)
         for recipe, init in itertools.product(args.recipes, args.inits):
-            specs = case_specs(size_name, layers, recipe, init, micro)
-            jobs.append(paired_job(case_name(size_name, layers, recipe, init, micro), init, micro, specs, steps, dist))
+            specs = case_specs(size_name, layers, recipe, init, micro, args.seq)
+            name = case_name(size_name, layers, recipe, init, micro, args.seq)
+            jobs.append(paired_job(name, init, micro, specs, steps, dist))
     return jobs
 
 

@@ -54,7 +54,7 @@ class _ManagedModule:
         inp = super().prepare_forward(inp, *args, **kwargs)
         # Inside a torch.compile trace TE's compiled path runs (Linear); it
         # stays stock. Elsewhere the module is active until end_forward.
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
             if self._wm_state is None or not _seams.INSTALLED:
                 install()  # at each drop-in's first call: finds foreign patches made since
                 state_of(self)
