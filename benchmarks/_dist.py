@@ -17,15 +17,18 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 def launch_message(name: str, argv: Sequence[str], ranks: int, world: int) -> str:
     args = " ".join(argv)
     found = "it was started without torchrun" if world == 0 else f"it was started with {world} rank(s)"
-    return (f"benchmarks.{name} runs FSDP2 on {ranks} GPUs, one process each, but {found}. Launch it with:\n"
-            f"  torchrun --nproc_per_node={ranks} -m benchmarks.{name} {args}".rstrip() + "\n"
-            "(it needs TE: pip install -e '.[te,test,bench]'; "
+    return (f"benchmarks.{name} runs FSDP2 on 1 or 2 GPUs (world size = the GPUs present), one process each, "
+            f"but {found}. Launch it with:\n"
+            f"  torchrun --nproc_per_node=2 -m benchmarks.{name} {args}".rstrip() + "\n"
+            "(--nproc_per_node=1 on a machine with one GPU; "
+            "it needs TE: pip install -e '.[te,test,bench]'; "
             "`python -m benchmarks.run_all` launches every benchmark)")
 
 
-def require_launch(name: str, argv: Sequence[str], *, ranks: int = 2) -> None:
+def require_launch(name: str, argv: Sequence[str], *, ranks: int = 1) -> None:
     """Exit with a message saying how to launch, unless this process is one
-    of >= ``ranks`` torchrun ranks on a CUDA machine with TE importable."""
+    of >= ``ranks`` torchrun ranks on a CUDA machine with TE importable (one
+    rank is FSDP2 at world size 1: a mesh of one GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "0") or 0) if "LOCAL_RANK" in os.environ else 0
     if world < ranks:
         raise SystemExit(launch_message(name, argv, ranks, world))

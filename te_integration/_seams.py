@@ -172,9 +172,12 @@ class _Linear(te.LinearFunction):
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
-        module = _active(ModuleKind.LINEAR)
-        if module is None or passes_through(fwd_args.fp8, fwd_args.debug, fwd_args.fsdp_group,
-                                            fwd_args.skip_fp8_weight_update, fwd_args.cpu_offloading, (weight,)):
+        # The hot path of every managed call: lookups only, few calls (each
+        # Python call costs microseconds on a busy host).
+        module = ACTIVE.get()
+        if module is None or module._wm_kind is not ModuleKind.LINEAR or passes_through(
+                fwd_args.fp8, fwd_args.debug, fwd_args.fsdp_group, fwd_args.skip_fp8_weight_update,
+                fwd_args.cpu_offloading, (weight,)):
             return _observed(ctx, None, te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args))
         levers = module._wm_state.levers(
             module, "weight", weight, fwd_args.weight_quantizer, fwd_args.is_grad_enabled,
@@ -188,8 +191,10 @@ class _Linear(te.LinearFunction):
             bwd.is_fsdp2 = levers.te_clear
             if levers.no_backward_quantizer:
                 bwd.weight_quantizer = None
-            ctx._te_wm_release = _release_record(module, (weight, levers))
-        return _observed(ctx, module, out)
+            ctx._te_wm_release = _release_record(module, (weight, levers)) if levers.releases else None
+            if _LEDGER.enabled:
+                _attribution.tag(ctx, module)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
@@ -329,7 +334,7 @@ def _release(record: tuple) -> None:
 def _backward(ctx, te_backward, *grads):
     """TE's backward, then the plan's release, also when TE's backward raises
     (a failed step must not leave cached or derived data behind)."""
-    marking = _attribution.marks_backward(ctx)
+    marking = _LEDGER.enabled and _attribution.marks_backward(ctx)
     if marking:
         _attribution.backward_mark(ctx, "start")
     try:
