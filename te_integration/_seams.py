@@ -124,7 +124,41 @@ def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_fla
             return out, False
     out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
                                 skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+    if levers.saves_columnwise_only:
+        parts = _rowwise_parts(out)
+        if parts:
+            state.rowwise_parts = (state.rowwise_parts or []) + parts
     return out, False
+
+
+def _rowwise_parts(workspace) -> list:
+    """The tensors only rowwise reads of ``workspace`` need, where its
+    columnwise data exists apart from them (TE 2.20.2's storages: FP8
+    ``_data`` next to a valid ``_transpose``; block/MX/NVFP4
+    ``_rowwise_data`` and ``_rowwise_scale_inv`` next to ``_columnwise_data``).
+    Per-tensor FP8's ``_scale_inv`` serves both, so it stays."""
+    transpose = getattr(workspace, "_transpose", None)
+    if transpose is not None and not getattr(workspace, "_transpose_invalid", False):
+        data = getattr(workspace, "_data", None)
+        return [data] if data is not None else []
+    if getattr(workspace, "_columnwise_data", None) is not None:
+        return [t for t in (getattr(workspace, "_rowwise_data", None), getattr(workspace, "_rowwise_scale_inv", None))
+                if t is not None]
+    return []
+
+
+def _save_columnwise_only(ctx, parts: list) -> None:
+    """D11: leave ``parts`` out of what ``ctx`` saves for backward. TE's
+    storages were split into their tensors by ``prepare_for_saving`` and
+    handed to ``ctx.save_for_backward``; a None in a rowwise slot restores
+    as a storage without rowwise data, as ``update_usage(rowwise_usage=False)``
+    would leave it. The memory is freed when this forward returns; the GEMM
+    that read it was queued first on the same stream."""
+    saved = getattr(ctx, "to_save", None)
+    if not saved:
+        return
+    drop = {id(t) for t in parts}
+    ctx.to_save = tuple(None if t is not None and id(t) in drop else t for t in saved)
 
 
 def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
@@ -161,10 +195,13 @@ def _run_planned(module, weights: tuple, te_forward, *args):
     try:
         out = te_forward(*args)
         state.commit(module._fp8_workspaces)
+        if state.rowwise_parts and args[0] is not None:
+            _save_columnwise_only(args[0], state.rowwise_parts)
         return out
     finally:
         state.weights = ()
         state.pending = None
+        state.rowwise_parts = None
 
 
 class _Linear(te.LinearFunction):

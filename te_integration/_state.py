@@ -84,6 +84,9 @@ class Levers:
     release_cache: bool
     #: Either release: the call's backward has something to do.
     releases: bool
+    #: D11: the workspace saved for backward keeps only its columnwise data;
+    #: the rowwise data is dropped once the forward GEMM has read it.
+    saves_columnwise_only: bool
 
 
 def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -> Levers:
@@ -109,6 +112,22 @@ def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -
         release_columnwise=release_columnwise,
         release_cache=release_cache,
         releases=release_columnwise or release_cache,
+        saves_columnwise_only=_saves_columnwise_only(context, plan),
+    )
+
+
+def _saves_columnwise_only(context: WorkspaceContext, plan: WorkspacePlan) -> bool:
+    """D11: a fresh high-precision-weight workspace saved for a backward that
+    reads only its columnwise data. Not a cache entry (later microbatches
+    read its rowwise data), not a quantized parameter (it is the weight),
+    and not in a recompute pass (TE hands that copy to backward itself)."""
+    return (
+        not context.is_quantized_param
+        and plan.cache is CacheAction.BYPASS
+        and plan.backward_source is BackwardSource.SAVED_WORKSPACE
+        and plan.backward_usage == Usage.COLUMNWISE
+        and Usage.COLUMNWISE in plan.forward_usage
+        and context.recompute is RecomputePass.NONE
     )
 
 
@@ -121,7 +140,7 @@ class ModuleWorkspaceState:
     """
 
     __slots__ = ("kind", "_policy", "_probe", "_memo", "_generation", "_quantizer_keys", "_last", "weights",
-                 "pending")
+                 "pending", "rowwise_parts")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -142,6 +161,9 @@ class ModuleWorkspaceState:
         #: Workspaces this call filled, stored in the module's cache only
         #: when the forward GEMMs returned: a failed call leaves the cache as it was.
         self.pending: dict[str, Any] | None = None
+        #: D11: rowwise tensors of this call's fresh workspaces that backward
+        #: will not read, to be left out of what the autograd ctx saves.
+        self.rowwise_parts: list | None = None
 
     def __reduce__(self):
         # Copies and pickles keep the pinned policy only: probes point at
