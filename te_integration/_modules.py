@@ -92,7 +92,8 @@ class _ManagedModule:
         """TE's own FSDP2 flag, answered from FSDP2's state for this module:
         it follows ``fully_shard`` and ``set_reshard_after_forward``, and a
         composable parent that is not FSDP2 does not crash it."""
-        return state_of(self).sharding(self).is_fsdp2
+        state = self._wm_state or state_of(self)
+        return state.probe(self).is_fsdp2
 
 
 class Linear(_ManagedModule, te.TELinear):

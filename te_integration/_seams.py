@@ -67,8 +67,10 @@ def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cp
         or skip_update is not None
         or bool(cpu_offloading)
         or te.is_graph_capturing()
-        or te.is_distributed_weight(weights[0])
-        or (len(weights) > 1 and te.is_distributed_weight(weights[1]))
+        # TE's own check validates a flagged weight; unflagged ones cost one getattr.
+        or (getattr(weights[0], "is_distributed_weight", False) and te.is_distributed_weight(weights[0]))
+        or (len(weights) > 1 and getattr(weights[1], "is_distributed_weight", False)
+            and te.is_distributed_weight(weights[1]))
     )
 _SEAMED: tuple[SeamedName, ...] = ()
 
@@ -82,7 +84,13 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     ignored and no new workspace is returned, so TE never stores one.
     """
     module = ACTIVE.get()
-    levers = module._wm_state.slot_for(tensor) if module is not None else None
+    levers = None
+    if module is not None:
+        weights = module._wm_state.weights
+        if weights and weights[0] is tensor:  # the common case: the call's first weight
+            levers = weights[1]
+        elif weights:
+            levers = module._wm_state.slot_for(tensor)
     if levers is None or levers.is_quantized_param:
         # Quantized parameters are never cached; TE only adds the usages
         # their own quantizer holds. Everything unplanned is stock TE.
@@ -194,7 +202,8 @@ def _run_planned(module, weights: tuple, te_forward, *args):
     state.weights = weights
     try:
         out = te_forward(*args)
-        state.commit(module._fp8_workspaces)
+        if state.pending:
+            state.commit(module._fp8_workspaces)
         if state.rowwise_parts and args[0] is not None:
             _save_columnwise_only(args[0], state.rowwise_parts)
         return out

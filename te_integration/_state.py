@@ -59,6 +59,8 @@ class ModuleKind(enum.Enum):
 
 #: Recompute codes the seams compute from TE's flags (ints: cheap to hash).
 RECOMPUTE_CODES = (RecomputePass.NONE, RecomputePass.FIRST, RecomputePass.RECOMPUTE)
+#: Shardings by code: memo keys hold the code, since an enum member hashes in Python.
+SHARDINGS = tuple(Sharding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +186,14 @@ class ModuleWorkspaceState:
     def sharding(self, module: Any) -> Sharding:
         """The module's sharding now, read from FSDP2's own state (the
         same read as :meth:`levers` does inline)."""
+        return self.probe(module).read()
+
+    def probe(self, module: Any) -> ShardingProbe:
+        """The module's sharding probe, made again when FSDP2 state changed."""
         probe = self._probe
         if probe is None or probe.stale():
             probe = self._probe = probe_fsdp2_sharding(module)
-        return probe.read()
+        return probe
 
     # -- levers -------------------------------------------------------------------
     def levers(self, module: Any, key: str, weight: Any, quantizer: Any, grad: bool, input_requires_grad: bool,
@@ -205,10 +211,12 @@ class ModuleWorkspaceState:
             if caps_key is type(source):
                 self._quantizer_keys[caps_key] = caps_key
         probe = self._probe
-        if probe is None or probe.stale():
+        sharding = probe.current() if probe is not None else None
+        if sharding is None:
             probe = self._probe = probe_fsdp2_sharding(module)
+            sharding = probe.read()
         shape = (key, caps_key, is_qp, bool(grad), bool(input_requires_grad), is_first_microbatch,
-                 backward_override, recompute, module_scope, probe.read())
+                 backward_override, recompute, module_scope, SHARDINGS.index(sharding))
         levers = self._memo.get(shape)
         if levers is None:
             levers = self._memo[shape] = self._plan(shape, source)
@@ -230,7 +238,7 @@ class ModuleWorkspaceState:
     def _plan(self, shape: tuple, quantizer: Any) -> Levers:
         key, _, is_qp, grad, input_rg, first, override, recompute, module_scope, sharding = shape
         context, plan = plan_call(
-            self._policy, quantizer_capabilities(quantizer), sharding, RECOMPUTE_CODES[recompute],
+            self._policy, quantizer_capabilities(quantizer), SHARDINGS[sharding], RECOMPUTE_CODES[recompute],
             RecomputeScope.MODULE if module_scope else RecomputeScope.REGION, grad, input_rg,
             WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
             Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),

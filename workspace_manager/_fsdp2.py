@@ -96,7 +96,7 @@ class ShardingProbe:
     found again; it never decides the answer.
     """
 
-    __slots__ = ("_owners", "_root", "_managed", "_mapping", "_count")
+    __slots__ = ("_owners", "_root", "_managed", "_mapping", "_count", "is_fsdp2")
 
     def __init__(self, owners: list[tuple[Any, Any]], root: Any, managed: dict[Any, Any],
                  mapping: Any) -> None:
@@ -105,9 +105,26 @@ class ShardingProbe:
         self._managed = managed
         self._mapping = mapping
         self._count = len(mapping) if mapping is not None else 0
+        #: Whether FSDP2 manages the weight at all (keep or reshard).
+        self.is_fsdp2 = bool(owners)
 
     def read(self) -> Sharding:
         """The sharding now: NONE when no FSDP2 group owns the weight."""
+        if not self._owners:
+            return Sharding.NONE
+        return _decide(self._owners, self._root, self._managed)
+
+    def current(self) -> Sharding | None:
+        """:meth:`read`, or None when :meth:`stale` (one call for both, for
+        bindings that ask on every module call)."""
+        mapping = self._mapping
+        if mapping is None:
+            modules = sys.modules
+            if _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules:
+                return None
+            return Sharding.NONE
+        if len(mapping) != self._count:
+            return None
         if not self._owners:
             return Sharding.NONE
         return _decide(self._owners, self._root, self._managed)

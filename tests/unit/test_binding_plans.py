@@ -89,7 +89,7 @@ def _module(binding, kind: str, sharding: Sharding):
     """The little of a drop-in module the seams read: its kind, its state
     (whose sharding reads as given, as FSDP2's state would) and its cache."""
 
-    probe = SimpleNamespace(read=lambda: sharding, stale=lambda: False)
+    probe = SimpleNamespace(read=lambda: sharding, current=lambda: sharding, stale=lambda: False)
     kinds = binding.state.ModuleKind
     kind = {"linear": kinds.LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
     state = binding.state.ModuleWorkspaceState(kind, probe=probe)
