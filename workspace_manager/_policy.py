@@ -471,6 +471,11 @@ class _RecomputeCall:
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         if ctx.recompute is RecomputePass.RECOMPUTE and self.inner_cache is not CacheAction.BYPASS:
+            if ctx.recompute_scope is RecomputeScope.MODULE and not ctx.capabilities.requantization_safe:
+                # TE's module-own recompute (LayerNormMLP(checkpoint=True))
+                # quantizes afresh with the scale current in backward; a
+                # cached copy made with an older delayed scale differs.
+                return CacheAction.BYPASS
             return CacheAction.READ_ONLY
         return self.inner_cache
 

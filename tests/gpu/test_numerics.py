@@ -22,7 +22,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning",
 
 HIDDEN, FFN, TOKENS = 128, 256, 64
 MODULES = ["Linear", "LayerNormLinear", "LayerNormMLP"]
-SCENARIOS = ["steps", "microbatches", "te_checkpoint", "te_checkpoint_nonreentrant", "own_checkpoint", "no_grad"]
+SCENARIOS = ["steps", "microbatches", "te_checkpoint", "te_checkpoint_nonreentrant", "own_checkpoint",
+             "own_checkpoint_microbatches", "no_grad"]
+#: Scenarios with microbatch positions (is_first_microbatch), and with LayerNormMLP(checkpoint=True).
+MICROBATCHED = ("microbatches", "own_checkpoint_microbatches")
+OWN_CHECKPOINT = ("own_checkpoint", "own_checkpoint_microbatches")
 
 
 def _build(kind: str, managed: bool, recipe, quantized_init: bool, own_checkpoint: bool):
@@ -57,7 +61,7 @@ def _forward(module, x, recipe, scenario: str, micro: int):
     import transformer_engine.pytorch as te
 
     kwargs = {}
-    if scenario == "microbatches":
+    if scenario in MICROBATCHED:
         kwargs["is_first_microbatch"] = micro == 0
     with te.autocast(enabled=True, recipe=recipe):
         if scenario.startswith("te_checkpoint"):
@@ -78,7 +82,7 @@ def _run(module, recipe, scenario: str, steps: int = 3):
     record = []
     params = [p for p in module.parameters()]
     opt = te.optimizers.FusedAdam(params, lr=1e-2, master_weights=True, master_weight_dtype=torch.float32)
-    micros = 3 if scenario == "microbatches" else 1
+    micros = 3 if scenario in MICROBATCHED else 1
     for step in range(steps):
         for micro in range(micros):
             x = _step_inputs(step, micro)
@@ -124,10 +128,10 @@ def test_drop_in_matches_stock_bit_for_bit(recipe_name, quantized_init, kind, sc
     reason = recipe_skip_reason(recipe_name)
     if reason:
         pytest.skip(reason)
-    if scenario == "own_checkpoint" and kind != "LayerNormMLP":
+    if scenario in OWN_CHECKPOINT and kind != "LayerNormMLP":
         pytest.skip("checkpoint=True is a LayerNormMLP option")
     recipe = make_recipe(recipe_name)
-    own = scenario == "own_checkpoint"
+    own = scenario in OWN_CHECKPOINT
     stock = _run(_build(kind, False, recipe, quantized_init, own), recipe, scenario)
     managed = _run(_build(kind, True, recipe, quantized_init, own), recipe, scenario)
     _assert_identical(stock, managed)
