@@ -180,3 +180,16 @@ def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, check
     if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.REGION):
         assert sources == {BackwardSource.REQUANTIZE}
         assert all(s.drops_workspace for s in slots)
+
+
+@pytest.mark.parametrize("quantizer, expected", [(DELAYED, "bypass"), (CURRENT, "read_only")],
+                         ids=["delayed", "current"])
+def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exact(binding, quantizer, expected):
+    """TE's own recompute quantizes afresh with the scale current in backward;
+    a delayed-scaling copy cached at the first microbatch would differ."""
+    module = _module(binding, "lnmlp", Sharding.NONE)
+    nta = list(_mlp_nta(quantizer, checkpoint=True, recompute_for_bwd=True))
+    nta[MLP["is_first_microbatch"]] = False
+    binding.seams._plan_mlp(module, tuple(nta), object(), object())
+    for _, plan in module._wm_state.last_plans().values():
+        assert plan.cache.value == expected
