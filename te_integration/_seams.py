@@ -325,7 +325,23 @@ def _plan_mlp(module, nta: tuple, fc1_w, fc2_w) -> tuple:
                        recompute, module_scope)
     fc2 = state.levers(module, "fc2_weight", fc2_w, nta[a["fc2_weight_quantizer"]], grad, True, first, None,
                        recompute, module_scope)
+    if fc1.drops_workspace is not fc2.drops_workspace:
+        _refuse_split_lever(fc1, fc2)
     return (fc1_w, fc1, fc2_w, fc2)
+
+
+def _refuse_split_lever(fc1: Levers, fc2: Levers) -> None:
+    """TE 2.20.2's LayerNormMLP saves or drops both weights' workspaces
+    together (one ``is_fsdp2`` argument): plans that differ there cannot both
+    be carried out, and running one of them would be silently wrong."""
+    from workspace_manager import PolicyMismatchError
+
+    raise PolicyMismatchError(
+        "LayerNormMLP cannot carry out these plans in TE 2.20.2: backward_source differs between fc1_weight "
+        f"({fc1.plan.backward_source.value}) and fc2_weight ({fc2.plan.backward_source.value}), but TE saves or "
+        "drops both workspaces with one switch. Context: "
+        f"{fc1.context}. Make the policy give both weights the same backward_source for this context."
+    )
 
 
 def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> None:

@@ -193,3 +193,16 @@ def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exa
     binding.seams._plan_mlp(module, tuple(nta), object(), object())
     for _, plan in module._wm_state.last_plans().values():
         assert plan.cache.value == expected
+
+
+def test_layernorm_mlp_refuses_plans_that_need_two_settings_of_one_lever(binding):
+    """FC1 saved, FC2 rebuilt: TE has one switch for both, so planning fails
+    with an error naming the field, never a silent compromise."""
+    from workspace_manager import PolicyMismatchError
+
+    module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
+    nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
+    nta[MLP["fc1_weight_quantizer"]] = DELAYED()  # FSDP2: fc1 rebuilds in a te.checkpoint recompute pass...
+    _in_te_checkpoint(binding, recompute=True)  # ...while fc2 (exact requantization) keeps the pass's copy
+    with pytest.raises(PolicyMismatchError, match="backward_source differs between fc1_weight"):
+        binding.seams._plan_mlp(module, tuple(nta), object(), object())
