@@ -11,7 +11,9 @@ baseline: 8 x Linear(4096, 4096) at 2048 tokens, and 8 x
 TransformerLayer(2048, 8192, 16 heads) at seq 1024, batch 2. Per recipe:
 memory held at the end of forward (over the step's start), the step's peak
 (over its start), the saving per parameter, and outputs and gradients
-compared bit for bit. Targets: forward-held and peak at most stock minus
+compared bit for bit. A third model pins ``LeanWorkspacePolicy`` (no copy
+kept from forward to backward, one extra quantization per weight per step);
+its figures are reported next to bf16's, with no target. Targets: forward-held and peak at most stock minus
 1 byte per parameter for per-tensor FP8 (Delayed, Current scaling) and
 for Block scaling.
 """
@@ -29,7 +31,10 @@ MIB = 2**20
 RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 
 
-def build(stack: str, managed: bool) -> torch.nn.Module:
+VARIANTS = ("stock", "dropin", "lean")
+
+
+def build(stack: str, variant: str) -> torch.nn.Module:
     import transformer_engine.pytorch as te
 
     import te_integration as ti
@@ -42,7 +47,11 @@ def build(stack: str, managed: bool) -> torch.nn.Module:
         layers = [te.TransformerLayer(2048, 8192, 16, hidden_dropout=0.0, attention_dropout=0.0, **kw)
                   for _ in range(8)]
     model = torch.nn.Sequential(*layers)
-    return ti.convert_model(model) if managed else model
+    if variant == "stock":
+        return model
+    from workspace_manager import LeanWorkspacePolicy
+
+    return ti.convert_model(model, policy=LeanWorkspacePolicy() if variant == "lean" else None)
 
 
 def inputs(stack: str, step: int) -> torch.Tensor:
@@ -77,18 +86,19 @@ def measure(stack: str, recipe_name: str | None, steps: int) -> dict:
 
     recipe = getattr(recipes, recipe_name)() if recipe_name else None
     runs = {}
-    for label in ("stock", "dropin"):
-        model = build(stack, label == "dropin")
+    for label in VARIANTS:
+        model = build(stack, label)
         results = [step(model, stack, recipe, n) for n in range(steps)]
         runs[label] = results
         del model
         torch.cuda.empty_cache()
-    params = sum(p.numel() for p in build(stack, False).parameters())
+    params = sum(p.numel() for p in build(stack, "stock").parameters())
     torch.cuda.empty_cache()
-    same = all(torch.equal(a["out"], b["out"]) and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
-               for a, b in zip(runs["stock"], runs["dropin"]))
+    same = {label: all(torch.equal(a["out"], b["out"]) and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+                       for a, b in zip(runs["stock"], runs[label])) for label in VARIANTS[1:]}
     last = {label: r[-1] for label, r in runs.items()}
-    return {"stack": stack, "recipe": recipe_name or "bf16", "params": params, "identical": same,
+    return {"stack": stack, "recipe": recipe_name or "bf16", "params": params, "identical": same["dropin"],
+            "lean_identical": same["lean"],
             **{f"{label}_{k}_mib": last[label][k] / MIB for label in last for k in ("held", "peak")}}
 
 
@@ -102,13 +112,14 @@ def verdict(row: dict) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    lines = [f"{'stack':8} {'recipe':22} {'held stock':>10} {'held ours':>10} {'peak stock':>10} {'peak ours':>10} "
-             f"{'B/param':>7}  identical  target"]
+    lines = [f"{'stack':11} {'recipe':20} {'held stock':>10} {'held ours':>9} {'held lean':>9} {'peak stock':>10} "
+             f"{'peak ours':>9} {'peak lean':>9} {'B/param':>7}  identical(ours,lean)  target"]
     for r in rows:
         saving = (r["stock_held_mib"] - r["dropin_held_mib"]) * MIB / r["params"]
-        lines.append(f"{r['stack']:8} {r['recipe']:22} {r['stock_held_mib']:10.1f} {r['dropin_held_mib']:10.1f} "
-                     f"{r['stock_peak_mib']:10.1f} {r['dropin_peak_mib']:10.1f} {saving:7.3f}  "
-                     f"{'yes' if r['identical'] else 'NO':9}  {verdict(r)}")
+        same = f"{'yes' if r['identical'] else 'NO'},{'yes' if r['lean_identical'] else 'NO'}"
+        lines.append(f"{r['stack']:11} {r['recipe']:20} {r['stock_held_mib']:10.1f} {r['dropin_held_mib']:9.1f} "
+                     f"{r['lean_held_mib']:9.1f} {r['stock_peak_mib']:10.1f} {r['dropin_peak_mib']:9.1f} "
+                     f"{r['lean_peak_mib']:9.1f} {saving:7.3f}  {same:20}  {verdict(r)}")
     return "\n".join(lines)
 
 

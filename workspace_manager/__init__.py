@@ -45,6 +45,7 @@ from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
 from ._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
+    LeanWorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
@@ -80,6 +81,7 @@ __all__ = [
     # policies
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
+    "LeanWorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
     "select_policy",

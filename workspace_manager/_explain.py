@@ -69,6 +69,7 @@ def _policy_choices() -> dict[str, object]:
     from ._policy import (
         DistributedWeightWorkspacePolicy,
         FSDP2WorkspacePolicy,
+        LeanWorkspacePolicy,
         RecomputeWorkspacePolicy,
         WorkspacePolicy,
     )
@@ -79,6 +80,7 @@ def _policy_choices() -> dict[str, object]:
         "recompute": RecomputeWorkspacePolicy(inner=WorkspacePolicy()),
         "fsdp2_recompute": RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
         "distributed_weight": DistributedWeightWorkspacePolicy(),
+        "lean": LeanWorkspacePolicy(),
     }
 
 

@@ -80,6 +80,7 @@ from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
 __all__ = [
+    "LeanWorkspacePolicy",
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "RecomputeWorkspacePolicy",
@@ -325,6 +326,42 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
         # and optimizer writes that buy nothing. Other formats gather the
         # columnwise data itself, so the shard must keep it.
         return Usage.ROWWISE if ctx.capabilities.columnwise_derivable else Usage.BOTH
+
+
+@dataclass(frozen=True)
+class LeanWorkspacePolicy(WorkspacePolicy):
+    """For whole weights (single GPU, DDP, tensor parallel) when memory is
+    scarcer than time: an option, never selected by default.
+
+    Keeps alive: no quantized copy of a high-precision weight outlives its
+    forward GEMM. Forward builds rowwise data only, nothing is saved, and
+    backward quantizes the high-precision weight again for dgrad; microbatch
+    positions are ignored (no cache). Frees: the rebuilt copy right after
+    dgrad. Trade-off: one extra quantization per weight per step buys the
+    whole workspace, from forward to backward (2 bytes per parameter under
+    per-tensor FP8 with stock TE's saved copy). Only for quantizers that
+    requantize exactly (current and block scaling): with delayed scaling the
+    rebuilt copy would use a newer scale and change dgrad, so those calls
+    are planned as :class:`WorkspacePolicy` plans them. Quantized
+    parameters are planned as the plain policy plans them.
+    """
+
+    label: ClassVar[str] = "lean"
+
+    def _lean(self, ctx: WorkspaceContext) -> bool:
+        return not ctx.is_quantized_param and ctx.capabilities.requantization_safe
+
+    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        return CacheAction.BYPASS if self._lean(ctx) else super().cache_action(ctx)
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        return Usage.ROWWISE if self._lean(ctx) else super().forward_usage(ctx, cache)
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        source = super().backward_source(ctx, cache)
+        if self._lean(ctx) and source is BackwardSource.SAVED_WORKSPACE:
+            return BackwardSource.REQUANTIZE
+        return source
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usag
 from .._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
+    LeanWorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
@@ -74,7 +75,8 @@ class InvariantViolation(AssertionError):
 PlanInvariant = Callable[[WorkspacePolicy, WorkspaceContext, WorkspacePlan], None]
 ContextInvariant = Callable[[WorkspaceContext], None]
 
-_BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(), DistributedWeightWorkspacePolicy())
+_BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(), DistributedWeightWorkspacePolicy(),
+                                      LeanWorkspacePolicy())
 #: Every policy the core ships, recompute wrappers included.
 SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(RecomputeWorkspacePolicy(inner=p) for p in _BASE)
 
