@@ -290,14 +290,28 @@ def run_microbatches(name: str, micro: int = 4) -> dict:
     return result
 
 
-def _one_step(model, opt, recipe, step: int, micro: int) -> None:
+def forward_backward(model, recipe, step: int, micro: int, before_each=None) -> list[float]:
+    """One step's microbatches, forward and backward, without the optimizer
+    step; returns their losses. ``micro`` > 1 passes ``is_first_microbatch``;
+    ``before_each(m)``, if given, runs before microbatch ``m``'s forward.
+    ``recipe`` None: FP8 off (the bf16 baseline)."""
     import transformer_engine.pytorch as te
 
+    losses = []
     for m in range(micro):
+        if before_each is not None:
+            before_each(m)
         x, target = data(step, m)
-        with te.autocast(enabled=True, recipe=recipe):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
             out = model(x, is_first_microbatch=(m == 0) if micro > 1 else None)
-        (F.mse_loss(out, target) / micro).backward()
+        loss = F.mse_loss(out, target) / micro
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def _one_step(model, opt, recipe, step: int, micro: int) -> None:
+    forward_backward(model, recipe, step, micro)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -1,0 +1,192 @@
+"""FSDP2 worker: switching resharding modes mid-training, stock TE vs drop-ins.
+
+Run as ``torchrun --nproc_per_node=N tests/gpu/_mode_switch.py OUT.json`` (N = 1 or 2).
+For each sm_90 recipe it builds the stack of ``_fsdp2_stack`` (8 x
+TransformerLayer(256, 1024, 8 heads), bf16 params, ``fully_shard`` per
+layer and at the root with ``reshard_after_forward=False``) twice, stock and
+with drop-ins, and trains both through the same :data:`PHASES`, switching
+``set_reshard_after_forward`` and ``set_reshard_after_backward`` between
+them. Per phase it records the losses, the sharding the drop-ins planned
+for, what ``workspace_report`` lists before and after each optimizer step,
+and, where forward reshards, the per-layer forward increment; a bf16 stack
+(FP8 off) goes through the same phases as the memory baseline.
+Rank 0 writes the report to OUT.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from _fsdp2_stack import RECIPES, _allocated, _guard, _recipe, build, forward_backward, optimizer_for
+from conftest import recipe_skip_reason
+
+STEPS_PER_PHASE = 2
+#: The layer whose drop-ins' plans are recorded (any inner one would do).
+PLAN_LAYER = 3
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of training between two switches."""
+
+    name: str
+    reshard_after_forward: bool
+    microbatches: int
+    #: Gradient accumulation as FSDP2 documents ``set_reshard_after_backward``:
+    #: False before every microbatch but the step's last, True before the
+    #: last, so the parameters stay gathered from each backward to the next
+    #: microbatch's forward and are resharded before the optimizer step.
+    accumulate: bool = False
+
+
+#: The model is built with reshard_after_forward=False; each phase first sets
+#: its mode on the root (which recurses into every layer), then trains.
+PHASES = (
+    Phase("keep", False, 4),
+    Phase("reshard", True, 1),
+    Phase("keep again", False, 4),
+    Phase("keep, backward keeps", False, 4, accumulate=True),
+    Phase("keep, backward reshards", False, 4),
+    Phase("reshard, backward keeps", True, 4, accumulate=True),
+    Phase("reshard, backward reshards", True, 4),
+)
+
+
+class ForwardIncrement:
+    """Mean rise of ``memory_allocated`` between consecutive layers' forward
+    pre-hooks. The hooks are added after ``fully_shard``'s, so each mark is
+    taken with that layer's weight already gathered."""
+
+    def __init__(self, model):
+        self.marks: list[int] = []
+        self.rises: list[float] = []
+        self.handles = [layer.register_forward_pre_hook(lambda *_: self.marks.append(_allocated()))
+                        for layer in model.children()]
+
+    def close_forward(self) -> None:
+        if len(self.marks) > 1:
+            self.rises.extend(b - a for a, b in zip(self.marks, self.marks[1:]))
+        self.marks.clear()
+
+    def take_kib(self) -> float | None:
+        rises, self.rises = self.rises, []
+        return sum(rises) / len(rises) / 1024 if rises else None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _drop_ins(module) -> list:
+    """(name, module) of every drop-in inside ``module``."""
+    import te_integration as ti
+
+    kinds = (ti.Linear, ti.LayerNormLinear, ti.LayerNormMLP)
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, kinds)]
+
+
+def _plan_shardings(model) -> dict[str, list[str]]:
+    """``{module name: [ctx.sharding of each weight]}`` for the drop-ins of
+    one layer, from ``last_plans``."""
+    import te_integration as ti
+
+    return {name: sorted(ctx.sharding.value for ctx, _ in ti.last_plans(m).values())
+            for name, m in _drop_ins(model[PLAN_LAYER])}
+
+
+def _in_flight(model) -> int:
+    """Drop-ins whose per-call state was not emptied (none between calls:
+    a weight left in it would stay alive)."""
+    import te_integration as ti
+
+    states = [ti.workspace_state(m) for _, m in _drop_ins(model)]
+    return sum(s.pending is not None or s.weights != () for s in states)
+
+
+def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: bool, meter: ForwardIncrement) -> dict:
+    import te_integration as ti
+
+    model.set_reshard_after_forward(phase.reshard_after_forward)
+    model.set_reshard_after_backward(True)
+    last = phase.microbatches - 1
+
+    def before_each(m: int) -> None:
+        meter.close_forward()  # the marks of the previous microbatch's forward
+        if phase.accumulate:
+            model.set_reshard_after_backward(m == last)
+
+    out = {"losses": [], "report_entries_before_step": [], "report_entries_after_step": [],
+           "after_step_tables": [], "plan_sharding": [], "in_flight_after_step": []}
+    for step in range(first_step, first_step + STEPS_PER_PHASE):
+        out["losses"].append(forward_backward(model, recipe, step, phase.microbatches, before_each))
+        meter.close_forward()
+        if managed:
+            out["plan_sharding"].append(_plan_shardings(model))
+            out["report_entries_before_step"].append(len(ti.workspace_report(model).entries))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if managed:
+            after = ti.workspace_report(model)
+            out["report_entries_after_step"].append(len(after.entries))
+            out["after_step_tables"].append(after.table() if after.entries else "")
+            out["in_flight_after_step"].append(_in_flight(model))
+    # Memory figures only where forward reshards: in keep mode each layer's
+    # gathered weight stays through forward, so the increment there is
+    # dominated by the weights, not by what a workspace plan keeps.
+    fwd = meter.take_kib()
+    out["fwd_kib_per_layer"] = fwd if phase.reshard_after_forward else None
+    return out
+
+
+def run_stack(name: str, managed: bool) -> list[dict]:
+    """One stack through every phase; one result per phase."""
+    recipe = _recipe(name)
+    model = build(managed, recipe, False, reshard_after_forward=False)
+    opt = optimizer_for(model)
+    meter = ForwardIncrement(model)
+    try:
+        results = []
+        for i, phase in enumerate(PHASES):
+            results.append(_train_phase(model, opt, recipe, phase, i * STEPS_PER_PHASE, managed, meter))
+        return results
+    finally:
+        meter.remove()
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    out_path = sys.argv[1]
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # The launcher adds "world_size" as it counted the GPUs; the tests check both agree.
+    report = {"dist_world_size": dist.get_world_size(), "phases": [asdict(p) for p in PHASES],
+              "steps_per_phase": STEPS_PER_PHASE, "bf16": None, "recipes": {}, "unsupported": {}, "errors": []}
+    # Each stack's failure is recorded (_guard), so the tests show it rather than a missing report.
+    _guard(report, "bf16", lambda: report.update(bf16=run_stack("bf16", managed=False)))
+    for name in RECIPES:
+        reason = recipe_skip_reason(name)
+        if reason:
+            report["unsupported"][name] = reason
+            continue
+        _guard(report, name, lambda: report["recipes"].update(
+            {name: {"stock": run_stack(name, managed=False), "managed": run_stack(name, managed=True)}}))
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"_mode_switch.py: world size {report['dist_world_size']}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
