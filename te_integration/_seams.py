@@ -34,6 +34,7 @@ from workspace_manager import CacheAction
 from . import _attribution
 from . import _compat as te
 from ._state import Levers, ModuleKind, ModuleWorkspaceState
+from ._steps import release_after_step
 from ._foreign import SeamedName, in_place, refuse_foreign_patches
 
 #: The drop-in module whose TE forward is running (between its
@@ -388,8 +389,6 @@ def _release(record: tuple) -> None:
         if levers.release_columnwise and isinstance(tensor, te.QuantizedTensorStorage):
             te.clear_columnwise_cache(tensor)
         if levers.release_cache:
-            from ._steps import release_after_step
-
             release_after_step(module, levers.key)
 
 
