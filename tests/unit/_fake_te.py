@@ -84,6 +84,7 @@ def _linear_forward(ctx, weight, inp, bias, fwd_args):
     if ctx is not None:
         ctx.backward_objects = SimpleNamespace(is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=fwd_args.weight_quantizer)
         ctx.saved_ws = None if fwd_args.is_fsdp2 else ws
+        ctx.saved_weight = weight
     fwd_args.seen_workspace = ws
     return inp @ ws.data.t(), new
 
@@ -99,9 +100,11 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
         ws = ctx.saved_ws
+        if ws is None:  # nothing saved (TE's is_fsdp2 lever): rebuild from the weight, as TE does
+            ws = ctx.backward_objects.weight_quantizer.quantize(ctx.saved_weight)
         if LinearFunction.fail_backward:
             raise RuntimeError("injected failure in backward")
-        return None, grad_output @ (ws.data if ws is not None else torch.zeros(1)), None, None
+        return None, grad_output @ ws.data, None, None
 
 
 @dataclass
