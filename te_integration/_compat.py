@@ -98,7 +98,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_BASE, "TransformerEngineBaseModule.prepare_forward"), Seam(_BASE, "TransformerEngineBaseModule.end_forward"),
     # Linear: the autograd Function, its eager entry and argument dataclasses.
     Seam(_LIN, "_Linear", "LinearFunction"), Seam(_LIN, "_Linear.forward"), Seam(_LIN, "_Linear.backward"),
-    Seam(_LIN, "_linear_eager"), Seam(_LIN, "_linear_forward_impl"),
+    Seam(_LIN, "_linear_eager"), Seam(_LIN, "_linear_forward_impl"), Seam(_LIN, "_linear_backward_impl"),
     Seam(_LIN, "LinearFwdArgs", "LinearFwdArgs"), Seam(_LIN, "LinearBwdArgs", "LinearBwdArgs"),
     Seam(_LNL, "_LayerNormLinear", "LNLFunction"), Seam(_LNL, "_LayerNormLinear.forward"),
     Seam(_LNL, "_LayerNormLinear.backward"),
@@ -117,6 +117,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_PT}.distributed", "in_fp8_activation_recompute_phase", "in_fp8_activation_recompute_phase"),
     Seam(f"{_PT}.distributed_weight", "is_distributed_weight", "is_distributed_weight"),
     Seam(f"{_PT}.graph", "is_graph_capturing", "is_graph_capturing"),
+    # The flags behind those two helpers, which the hot paths read as
+    # attributes (a call per module call adds up on a busy host).
+    Seam(f"{_PT}.distributed", "_IN_ACTIVATION_RECOMPUTE_REGION"), Seam(f"{_PT}.graph", export="graph_flags"),
+    Seam(f"{_PT}.graph", "_IS_GRAPH_CAPTURING"),
     Seam(f"{_PT}.jit", "no_torch_dynamo", "no_torch_dynamo"),
     Seam(f"{_PT}.quantization", "FP8GlobalStateManager", "FP8GlobalStateManager"),
     Seam(f"{_PT}.quantization", "FP8GlobalStateManager.get_fp8_recipe"),
@@ -172,6 +176,10 @@ lnl_module: ModuleType = _found["lnl_module"]
 lnmlp_module: ModuleType = _found["lnmlp_module"]
 base_module: ModuleType = _found["base_module"]
 te_distributed: ModuleType = _found["te_distributed"]
+#: Where ``_IN_ACTIVATION_RECOMPUTE_REGION`` lives (TE's ``distributed.py``).
+recompute_flags: ModuleType = te_distributed
+#: Where ``_IS_GRAPH_CAPTURING`` lives (TE's ``graph.py``).
+graph_flags: ModuleType = _found["graph_flags"]
 mha_module: ModuleType = _found["mha_module"]
 transformer_module: ModuleType = _found["transformer_module"]
 TELinear = _found["TELinear"]
@@ -219,6 +227,10 @@ _SENTINELS = {
     TELinear.forward: ["_linear_eager(", "self.prepare_forward(", "self.end_forward()"],
     LNMLPFunction._forward: ["fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation", "ctx.is_fsdp2 = is_fsdp2"],
     LNMLPFunction.forward: ["_LayerNormMLP._forward("],
+    LNMLPFunction.backward: ["ctx.fc1_weight_quantizer(origin_fc1_weight)", "ctx.fc2_weight_quantizer(origin_fc2_weight)"],
+    linear_module._linear_backward_impl: ["weight_fp8 = bwd_args.weight_quantizer(saved_weight)"],
+    is_fp8_activation_recompute_enabled: ["return _IN_ACTIVATION_RECOMPUTE_REGION and"],
+    is_graph_capturing: ["return _IS_GRAPH_CAPTURING"],
     TELayerNormMLP.forward: ["_LayerNormMLP.apply", "_LayerNormMLP.forward", "self.prepare_forward(",
                              "self.end_forward()"],
 }

@@ -93,7 +93,10 @@ class _ManagedModule:
         it follows ``fully_shard`` and ``set_reshard_after_forward``, and a
         composable parent that is not FSDP2 does not crash it."""
         state = self._wm_state or state_of(self)
-        return state.probe(self).is_fsdp2
+        probe = state.sharding_probe  # TE asks on every call: the stale check is the only call
+        if probe is None or probe.stale():
+            probe = state.probe(self)
+        return probe.is_fsdp2
 
 
 class Linear(_ManagedModule, te.TELinear):

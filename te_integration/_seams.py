@@ -33,7 +33,7 @@ from workspace_manager import CacheAction
 
 from . import _attribution
 from . import _compat as te
-from ._state import Levers, ModuleKind, ModuleWorkspaceState
+from ._state import Levers, ModuleKind, ModuleWorkspaceState, RebuildQuantizer
 from ._steps import release_after_step
 from ._foreign import SeamedName, in_place, refuse_foreign_patches
 
@@ -50,29 +50,30 @@ INSTALLED = False
 def te_recompute_code() -> int:
     """Where ``te.checkpoint`` says the call is: 0 none, 1 first pass, 2
     recompute pass (TE sets its flags only while FP8 is on, the only time a
-    workspace exists)."""
+    workspace exists). The hot paths ask only inside a recompute region
+    (TE's ``_IN_ACTIVATION_RECOMPUTE_REGION``, read as an attribute)."""
     if not te.is_fp8_activation_recompute_enabled():
         return 0
     return 2 if te.in_fp8_activation_recompute_phase() else 1
 
 
-def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cpu_offloading: bool,
-                   weights: tuple[Any, ...]) -> bool:
+def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cpu_offloading: bool) -> bool:
     """Calls TE handles on its own: no FP8 (no workspace), debug quantizers,
-    FSDP1, CUDA-graph capture, CPU offload, distributed weights. Listed in
-    docs/te-integration.md."""
-    return (
-        not fp8
-        or bool(debug)
-        or fsdp_group is not None
-        or skip_update is not None
-        or bool(cpu_offloading)
-        or te.is_graph_capturing()
-        # TE's own check validates a flagged weight; unflagged ones cost one getattr.
-        or (getattr(weights[0], "is_distributed_weight", False) and te.is_distributed_weight(weights[0]))
-        or (len(weights) > 1 and getattr(weights[1], "is_distributed_weight", False)
-            and te.is_distributed_weight(weights[1]))
-    )
+    FSDP1, CUDA-graph capture, CPU offload. Listed in docs/te-integration.md.
+    (The Linear seam spells the same test inline: it runs on every call.)"""
+    return (not fp8 or bool(debug) or fsdp_group is not None or skip_update is not None or bool(cpu_offloading)
+            or te.graph_flags._IS_GRAPH_CAPTURING)
+
+
+def is_distributed(weight: Any) -> bool:
+    """A TE ``DistributedWeight``: TE's own check validates a flagged weight
+    (the Linear seam asks only for a flagged one: one getattr per call)."""
+    return bool(getattr(weight, "is_distributed_weight", False)) and te.is_distributed_weight(weight)
+
+
+#: Stands for a distributed weight's slot in a call's weights: TE quantizes
+#: the weight it gathered, a tensor the seam never sees before.
+GATHERED = object()
 _SEAMED: tuple[SeamedName, ...] = ()
 
 
@@ -88,7 +89,7 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     levers = None
     if module is not None:
         weights = module._wm_state.weights
-        if weights and weights[0] is tensor:  # the common case: the call's first weight
+        if weights and (weights[0] is tensor or weights[0] is GATHERED):  # the common case: the first weight
             levers = weights[1]
         elif weights:
             levers = module._wm_state.slot_for(tensor)
@@ -115,11 +116,21 @@ def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_fla
     workspace and whether it came from the cache."""
     state: ModuleWorkspaceState = module._wm_state
     want_columnwise = levers.forward_columnwise
-    quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
+    if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
+        quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
     action = levers.cache
     if action is not CacheAction.BYPASS:
-        cached = state.cached(module._fp8_workspaces, levers.key)
-        if cached is not None and _usable(cached, tensor, quantizer, want_columnwise):
+        key = levers.key
+        pending = state.pending
+        cached = pending.get(key) if pending else None
+        if cached is None:
+            cached = module._fp8_workspaces.get(key)
+        # An entry this state filled with the usages wanted serves as it is
+        # (see ModuleWorkspaceState.filled); any other is checked in full.
+        filled = state.filled.get(key)
+        if cached is not None and (
+                (filled is not None and filled[0] == id(cached) and (filled[1] or not want_columnwise))
+                or _usable(cached, tensor, quantizer, want_columnwise)):
             # A hit: FILL refreshes in place (new weights), the others read as is.
             out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached,
                                         update_workspace=action is CacheAction.FILL,
@@ -129,7 +140,7 @@ def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_fla
             out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None,
                                           update_workspace=True, skip_update_flag=skip_update_flag,
                                           workspace_dtype=workspace_dtype, cache=True)
-            state.fill(levers.key, new)
+            state.fill(key, new, want_columnwise)
             return out, False
     out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
                                 skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
@@ -214,30 +225,37 @@ def _run_planned(module, weights: tuple, te_forward, *args):
         state.rowwise_parts = None
 
 
+_LINEAR, _LNL, _LNMLP = ModuleKind.LINEAR, ModuleKind.LAYERNORM_LINEAR, ModuleKind.LAYERNORM_MLP
+
+
 class _Linear(te.LinearFunction):
     """TE's ``_Linear``, with the weight's plan applied."""
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
-        # The hot path of every managed call: lookups only, few calls (each
-        # Python call costs microseconds on a busy host).
+        # The hot path of every managed call: attribute reads and one memo
+        # lookup, few Python calls (each costs about a microsecond on a busy
+        # host). The gate is passes_through(), spelled inline.
         module = ACTIVE.get()
-        if module is None or module._wm_kind is not ModuleKind.LINEAR or passes_through(
-                fwd_args.fp8, fwd_args.debug, fwd_args.fsdp_group, fwd_args.skip_fp8_weight_update,
-                fwd_args.cpu_offloading, (weight,)):
+        if (module is None or module._wm_kind is not _LINEAR or not fwd_args.fp8 or fwd_args.debug
+                or fwd_args.fsdp_group is not None or fwd_args.skip_fp8_weight_update is not None
+                or fwd_args.cpu_offloading or te.graph_flags._IS_GRAPH_CAPTURING):
             return _observed(ctx, None, te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args))
-        levers = module._wm_state.levers(
+        state: ModuleWorkspaceState = module._wm_state
+        distributed = getattr(weight, "is_distributed_weight", False) and is_distributed(weight)
+        levers = state.levers(
             module, "weight", weight, fwd_args.weight_quantizer, fwd_args.is_grad_enabled,
             fwd_args.input_requires_grad, fwd_args.is_first_microbatch, fwd_args.backward_override,
-            te_recompute_code(), False,
+            te_recompute_code() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else 0, False, distributed,
         )
         fwd_args.is_fsdp2 = levers.drops_workspace
-        out = _run_planned(module, (weight, levers), te.LinearFunction.forward, ctx, weight, inp, bias, fwd_args)
+        weights = (GATHERED if distributed else weight, levers)
+        out = _run_planned(module, weights, te.LinearFunction.forward, ctx, weight, inp, bias, fwd_args)
         if ctx is not None:
             bwd = ctx.backward_objects
             bwd.is_fsdp2 = levers.te_clear
-            if levers.no_backward_quantizer:
-                bwd.weight_quantizer = None
+            if levers.no_backward_quantizer or levers.rebuild_usage is not None:
+                bwd.weight_quantizer = _backward_quantizer(state, levers, bwd.weight_quantizer)
             ctx._te_wm_release = _release_record(module, (weight, levers)) if levers.releases else None
             if _LEDGER.enabled:
                 _attribution.tag(ctx, module)
@@ -253,28 +271,43 @@ class _LayerNormLinear(te.LNLFunction):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, non_tensor_args):
-        module, a = _active(ModuleKind.LAYERNORM_LINEAR), te.LNL_ARGS
+        module, a = ACTIVE.get(), te.LNL_ARGS
         nta = non_tensor_args
-        if module is None or _passes_through_tuple(nta, a, (weight,)):
+        if module is None or module._wm_kind is not _LNL or _passes_through_tuple(nta, a):
             out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
             return _observed(ctx, None, out)
-        levers = module._wm_state.levers(
+        state: ModuleWorkspaceState = module._wm_state
+        distributed = is_distributed(weight)
+        levers = state.levers(
             module, "weight", weight, nta[a["weight_quantizer"]], nta[a["is_grad_enabled"]], True,
-            nta[a["is_first_microbatch"]], _recipe_backward_override(), te_recompute_code(), False,
+            nta[a["is_first_microbatch"]], _recipe_backward_override(),
+            te_recompute_code() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else 0, False, distributed,
         )
         nta = _replace_at(nta, a["is_fsdp2"], levers.drops_workspace)
-        out = _run_planned(module, (weight, levers), te.LNLFunction.forward, ctx, inp, ln_weight, ln_bias, weight,
+        weights = (GATHERED if distributed else weight, levers)
+        out = _run_planned(module, weights, te.LNLFunction.forward, ctx, inp, ln_weight, ln_bias, weight,
                            weight_workspace, bias, nta)
         if ctx is not None and nta[a["is_grad_enabled"]]:
             ctx.is_fsdp2 = levers.te_clear
-            if levers.no_backward_quantizer:
-                ctx.weight_quantizer = None
+            if levers.no_backward_quantizer or levers.rebuild_usage is not None:
+                ctx.weight_quantizer = _backward_quantizer(state, levers, ctx.weight_quantizer)
             ctx._te_wm_release = _release_record(module, (weight, levers))
         return _observed(ctx, module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         return _backward(ctx, te.LNLFunction.backward, *grad_outputs)
+
+
+def _backward_quantizer(state: ModuleWorkspaceState, levers: Levers, quantizer):
+    """The weight quantizer TE's backward gets: none where dgrad reads the
+    high-precision weight (TE must not rebuild), a narrowed one where the
+    plan's rebuild builds fewer usages than TE asks for (D9)."""
+    if levers.no_backward_quantizer or quantizer is None:
+        return None
+    if isinstance(quantizer, RebuildQuantizer):  # set already (LayerNormMLP's own recompute)
+        quantizer = quantizer.quantizer
+    return state.rebuild_quantizer(levers.key, quantizer, levers.rebuild_usage)
 
 
 class _LayerNormMLP(te.LNMLPFunction):
@@ -285,8 +318,9 @@ class _LayerNormMLP(te.LNMLPFunction):
     def _forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, non_tensor_args):
         nta, a = non_tensor_args, te.LNMLP_ARGS
         recompute = bool(nta[a["recompute_for_bwd"]])
-        module = getattr(ctx, "_te_wm_module", None) if recompute else _active(ModuleKind.LAYERNORM_MLP)
-        if module is None or _passes_through_tuple(nta, a, (fc1_w, fc2_w)):
+        module = getattr(ctx, "_te_wm_module", None) if recompute else _active(_LNMLP)
+        # TE's LayerNormMLP has no distributed-weight path; such weights stay TE's.
+        if module is None or _passes_through_tuple(nta, a) or is_distributed(fc1_w) or is_distributed(fc2_w):
             out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
             return out if recompute else _observed(ctx, None, out)
         weights = _plan_mlp(module, nta, fc1_w, fc2_w)
@@ -335,9 +369,9 @@ def _refuse_split_lever(fc1: Levers, fc2: Levers) -> None:
     """TE 2.20.2's LayerNormMLP saves or drops both weights' workspaces
     together (one ``is_fsdp2`` argument): plans that differ there cannot both
     be carried out, and running one of them would be silently wrong."""
-    from workspace_manager import PolicyMismatchError
+    from workspace_manager import UnsupportedPlanError
 
-    raise PolicyMismatchError(
+    raise UnsupportedPlanError(
         "LayerNormMLP cannot carry out these plans in TE 2.20.2: backward_source differs between fc1_weight "
         f"({fc1.plan.backward_source.value}) and fc2_weight ({fc2.plan.backward_source.value}), but TE saves or "
         "drops both workspaces with one switch. Context: "
@@ -354,13 +388,17 @@ def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> N
         # is set only when both plans want it; the release covers the rest.
         ctx.is_fsdp2 = weights[1].te_clear and weights[3].te_clear
         ctx._te_wm_release = _release_record(module, weights)
+        state: ModuleWorkspaceState = module._wm_state
+        for levers, name in ((weights[1], "fc1_weight_quantizer"), (weights[3], "fc2_weight_quantizer")):
+            if levers.no_backward_quantizer or levers.rebuild_usage is not None:
+                setattr(ctx, name, _backward_quantizer(state, levers, getattr(ctx, name, None)))
     if not recompute and nta[a["checkpoint"]]:
         ctx._te_wm_module = module  # read again by the module's own recompute in backward
 
 
-def _passes_through_tuple(nta: tuple, a: dict, weights: tuple) -> bool:
+def _passes_through_tuple(nta: tuple, a: dict) -> bool:
     return passes_through(nta[a["fp8"]], nta[a["debug"]], nta[a["fsdp_group"]], nta[a["skip_fp8_weight_update"]],
-                          nta[a["cpu_offloading"]], weights)
+                          nta[a["cpu_offloading"]])
 
 
 def _replace_at(values: tuple, index: int, value) -> tuple:

@@ -45,8 +45,9 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._steps import track
+from ._support import require_supported
 
-__all__ = ["ModuleKind", "Levers", "ModuleWorkspaceState", "state_of", "levers_from_plan"]
+__all__ = ["ModuleKind", "Levers", "ModuleWorkspaceState", "RebuildQuantizer", "state_of", "levers_from_plan"]
 
 
 class ModuleKind(enum.Enum):
@@ -89,6 +90,9 @@ class Levers:
     #: D11: the workspace saved for backward keeps only its columnwise data;
     #: the rowwise data is dropped once the forward GEMM has read it.
     saves_columnwise_only: bool
+    #: D9: the usages a backward rebuild builds where they are fewer than
+    #: the both usages TE's rebuild asks for; None: TE's own rebuild (or none).
+    rebuild_usage: Usage | None
 
 
 def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -> Levers:
@@ -105,8 +109,7 @@ def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -
         is_quantized_param=is_qp,
         forward_columnwise=Usage.COLUMNWISE in plan.forward_usage,
         cache=plan.cache,
-        drops_workspace=not is_qp and source in (BackwardSource.REQUANTIZE, BackwardSource.HIGH_PRECISION,
-                                                 BackwardSource.NONE),
+        drops_workspace=not is_qp and source in _DROPPING_SOURCES,
         # A rebuilt temporary is freed early (lower backward peak); a derived
         # cache on a quantized parameter is cleared by TE; never a cached workspace.
         te_clear=rebuilds or (is_qp and Release.DERIVED_COLUMNWISE in plan.release),
@@ -115,7 +118,13 @@ def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -
         release_cache=release_cache,
         releases=release_columnwise or release_cache,
         saves_columnwise_only=_saves_columnwise_only(context, plan),
+        rebuild_usage=plan.backward_usage if rebuilds and plan.backward_usage is not Usage.BOTH else None,
     )
+
+
+#: Backward sources for which TE must not save the forward's workspace.
+_DROPPING_SOURCES = (BackwardSource.REQUANTIZE, BackwardSource.REGATHER, BackwardSource.HIGH_PRECISION,
+                     BackwardSource.NONE)
 
 
 def _saves_columnwise_only(context: WorkspaceContext, plan: WorkspacePlan) -> bool:
@@ -141,8 +150,8 @@ class ModuleWorkspaceState:
     another call of the same module.
     """
 
-    __slots__ = ("kind", "_policy", "_probe", "_memo", "_generation", "_quantizer_keys", "_last", "weights",
-                 "pending", "rowwise_parts")
+    __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_last", "weights",
+                 "pending", "rowwise_parts", "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -151,7 +160,9 @@ class ModuleWorkspaceState:
         ``stale()``, e.g. for describing a sharding without FSDP2."""
         self.kind = kind
         self._policy = policy
-        self._probe = probe
+        #: How this module's sharding is read (see :meth:`probe`); None
+        #: until the first call, or as given.
+        self.sharding_probe = probe
         self._memo: dict[tuple, Levers] = {}
         self._generation = default_registry.generation
         #: quantizer class -> what its capabilities depend on (the class itself
@@ -166,6 +177,15 @@ class ModuleWorkspaceState:
         #: D11: rowwise tensors of this call's fresh workspaces that backward
         #: will not read, to be left out of what the autograd ctx saves.
         self.rowwise_parts: list | None = None
+        #: weight key -> (id of the cache entry this state filled, whether it
+        #: holds columnwise data). A hit on that entry skips re-validating
+        #: it: the binding built it with those usages, and TE never adds to
+        #: or strips a cached workspace (its in-backward clear reaches only
+        #: workspaces built for that call). An id, not a reference: the
+        #: entry's lifetime stays the cache's.
+        self.filled: dict[str, tuple[int, bool]] = {}
+        #: weight key -> the D9 rebuild quantizer made for it (see rebuild_quantizer).
+        self._rebuilders: dict[str, Any] = {}
 
     def __reduce__(self):
         # Copies and pickles keep the pinned policy only: probes point at
@@ -190,17 +210,18 @@ class ModuleWorkspaceState:
 
     def probe(self, module: Any) -> ShardingProbe:
         """The module's sharding probe, made again when FSDP2 state changed."""
-        probe = self._probe
+        probe = self.sharding_probe
         if probe is None or probe.stale():
-            probe = self._probe = probe_fsdp2_sharding(module)
+            probe = self.sharding_probe = probe_fsdp2_sharding(module)
         return probe
 
     # -- levers -------------------------------------------------------------------
     def levers(self, module: Any, key: str, weight: Any, quantizer: Any, grad: bool, input_requires_grad: bool,
                is_first_microbatch: bool | None, backward_override: str | None, recompute: int,
-               module_scope: bool) -> Levers:
+               module_scope: bool, distributed: bool = False) -> Levers:
         """The levers for this weight in this call: a memo lookup, or the
-        full planning path for the first call of a shape."""
+        full planning path for the first call of a shape. ``distributed``: a
+        TE ``DistributedWeight``, whose sharding is its own, not FSDP2's."""
         is_qp = isinstance(weight, te.QuantizedTensorStorage)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
@@ -210,11 +231,14 @@ class ModuleWorkspaceState:
             caps_key = default_registry.capabilities_key(source)
             if caps_key is type(source):
                 self._quantizer_keys[caps_key] = caps_key
-        probe = self._probe
-        sharding = probe.current() if probe is not None else None
-        if sharding is None:
-            probe = self._probe = probe_fsdp2_sharding(module)
-            sharding = probe.read()
+        if distributed:
+            sharding = Sharding.DISTRIBUTED_WEIGHT
+        else:
+            probe = self.sharding_probe
+            sharding = probe.current() if probe is not None else None
+            if sharding is None:
+                probe = self.sharding_probe = probe_fsdp2_sharding(module)
+                sharding = probe.read()
         shape = (key, caps_key, is_qp, bool(grad), bool(input_requires_grad), is_first_microbatch,
                  backward_override, recompute, module_scope, SHARDINGS.index(sharding))
         levers = self._memo.get(shape)
@@ -243,6 +267,7 @@ class ModuleWorkspaceState:
             WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
             Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),
         )
+        require_supported(key, context, plan)
         return levers_from_plan(key, context, plan)
 
     def last_plans(self) -> dict[str, tuple[WorkspaceContext, WorkspacePlan]]:
@@ -272,16 +297,61 @@ class ModuleWorkspaceState:
             return pending[key]
         return workspaces.get(key)
 
-    def fill(self, key: str, workspace: Any) -> None:
+    def fill(self, key: str, workspace: Any, columnwise: bool) -> None:
+        """``workspace`` was built for the cache entry ``key`` by this call,
+        with columnwise data or not; stored by :meth:`commit`."""
         if self.pending is None:
             self.pending = {}
         self.pending[key] = workspace
+        self.filled[key] = (id(workspace), columnwise)
+
+    def rebuild_quantizer(self, key: str, quantizer: Any, usage: Usage) -> Any:
+        """D9: what TE's backward rebuild calls in place of ``quantizer``, so
+        that it builds only ``usage`` (made once per weight and quantizer)."""
+        rebuilder = self._rebuilders.get(key)
+        if rebuilder is None or rebuilder.quantizer is not quantizer or rebuilder.usage is not usage:
+            rebuilder = self._rebuilders[key] = RebuildQuantizer(quantizer, usage)
+        return rebuilder
 
     def commit(self, workspaces: dict) -> None:
         """The call's GEMMs returned: its new cache entries become the module's."""
         if self.pending:
             workspaces.update(self.pending)
         self.pending = None
+
+
+class RebuildQuantizer:
+    """Stands for a weight quantizer in TE's backward rebuild (D9).
+
+    TE 2.20 asks for both usages there (``set_usage(rowwise=True,
+    columnwise=True)`` before quantizing the gathered weight), although
+    dgrad reads only columnwise data. This wrapper ignores that request and
+    quantizes with the plan's usages; any other attribute TE reads comes
+    from the wrapped quantizer. Afterwards the quantizer is left as TE's
+    rebuild leaves it (both usages), so nothing else sees a difference.
+    """
+
+    __slots__ = ("quantizer", "usage", "_rowwise", "_columnwise")
+
+    def __init__(self, quantizer: Any, usage: Usage) -> None:
+        self.quantizer = quantizer
+        self.usage = usage
+        self._rowwise = Usage.ROWWISE in usage
+        self._columnwise = Usage.COLUMNWISE in usage
+
+    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Ignored: the plan's usages stand."""
+
+    def __call__(self, tensor: Any) -> Any:
+        quantizer = self.quantizer
+        quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
+        try:
+            return quantizer(tensor)
+        finally:
+            quantizer.set_usage(rowwise=True, columnwise=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.quantizer, name)
 
 
 def state_of(module: Any) -> ModuleWorkspaceState:

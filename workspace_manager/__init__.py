@@ -26,6 +26,7 @@ from ._errors import (
     PolicyMismatchError,
     QuantizerPluginError,
     UnknownQuantizerError,
+    UnsupportedPlanError,
     WorkspaceManagerError,
 )
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, probe_fsdp2_sharding
@@ -116,6 +117,7 @@ __all__ = [
     "InvalidContextError",
     "ContextTypeError",
     "PolicyMismatchError",
+    "UnsupportedPlanError",
     "UnknownQuantizerError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",

@@ -13,6 +13,7 @@ __all__ = [
     "InvalidContextError",
     "ContextTypeError",
     "PolicyMismatchError",
+    "UnsupportedPlanError",
     "UnknownQuantizerError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
@@ -36,6 +37,13 @@ class ContextTypeError(WorkspaceManagerError, TypeError):
 
 class PolicyMismatchError(WorkspaceManagerError, ValueError):
     """A policy was asked to plan a call in a setting it does not cover."""
+
+
+class UnsupportedPlanError(PolicyMismatchError):
+    """A valid plan that the installed binding cannot carry out for this call
+    (for TE 2.20: a plan asking for something TE's code has no lever for).
+    The message names the plan field, the context and what to change; the
+    call is refused before anything runs, never carried out differently."""
 
 
 class UnknownQuantizerError(WorkspaceManagerError, TypeError):

@@ -56,6 +56,9 @@ class Float8CurrentScalingQuantizer:
         if columnwise is not None:
             self.columnwise_usage = columnwise
 
+    def __call__(self, tensor: torch.Tensor) -> Workspace:
+        return self.quantize(tensor)
+
     def quantize(self, tensor: torch.Tensor) -> Workspace:
         return Workspace(torch.round(tensor.detach() * 8) / 8, tensor, self.rowwise_usage, self.columnwise_usage, self)
 
@@ -92,6 +95,8 @@ def _linear_forward(ctx, weight, inp, bias, fwd_args):
 class LinearFunction(torch.autograd.Function):
     #: Set by a test to make the next backward raise.
     fail_backward = False
+    #: Workspaces rebuilt in backward, for tests to inspect.
+    rebuilt: list = []
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
@@ -101,7 +106,10 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output, grad_workspace):
         ws = ctx.saved_ws
         if ws is None:  # nothing saved (TE's is_fsdp2 lever): rebuild from the weight, as TE does
-            ws = ctx.backward_objects.weight_quantizer.quantize(ctx.saved_weight)
+            quantizer = ctx.backward_objects.weight_quantizer
+            quantizer.set_usage(rowwise=True, columnwise=True)
+            ws = quantizer(ctx.saved_weight)
+            LinearFunction.rebuilt.append(ws)
         if LinearFunction.fail_backward:
             raise RuntimeError("injected failure in backward")
         return None, grad_output @ ws.data, None, None
@@ -210,6 +218,8 @@ def compat() -> dict[str, Any]:
         "is_fp8_activation_recompute_enabled": lambda: False,
         "in_fp8_activation_recompute_phase": lambda: False,
         "is_graph_capturing": lambda: False,
+        "graph_flags": SimpleNamespace(_IS_GRAPH_CAPTURING=False),
+        "recompute_flags": SimpleNamespace(_IN_ACTIVATION_RECOMPUTE_REGION=False),
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
         "FP8GlobalStateManager": SimpleNamespace(get_fp8_recipe=lambda: None),
@@ -220,5 +230,5 @@ def compat() -> dict[str, Any]:
 def load_full_binding(monkeypatch) -> SimpleNamespace:
     """``_modules`` (with the seams, state, steps, shards and attribution)
     loaded against the stand-in; the seams are installed into its files."""
-    mods = load_binding(monkeypatch, compat(), "_steps", "_attribution", "_state", "_shards", "_seams", "_modules")
+    mods = load_binding(monkeypatch, compat(), "_steps", "_attribution", "_support", "_state", "_shards", "_seams", "_modules")
     return SimpleNamespace(files=_FILES, **{name.lstrip("_"): m for name, m in mods.items()})

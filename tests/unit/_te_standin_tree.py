@@ -66,6 +66,9 @@ def _files() -> dict[str, str]:
                 if is_fsdp2 and weightmat is not weight:
                     pass
                 return quantize_weight()
+            def _linear_backward_impl(bwd_args, saved_weight):
+                weight_fp8 = bwd_args.weight_quantizer(saved_weight)
+                return weight_fp8
             def _linear_eager(*args):
                 if args:
                     return _Linear.apply(*args)
@@ -123,8 +126,10 @@ def _files() -> dict[str, str]:
                 def forward(ctx, *args):
                     return _LayerNormMLP._forward(ctx, *args)
                 @staticmethod
-                def backward(ctx, *grads):
-                    return None
+                def backward(ctx, origin_fc1_weight, origin_fc2_weight):
+                    fc1_weight = ctx.fc1_weight_quantizer(origin_fc1_weight)
+                    fc2_weight = ctx.fc2_weight_quantizer(origin_fc2_weight)
+                    return fc1_weight, fc2_weight
             class LayerNormMLP:
                 def forward(self, *args):
                     self.prepare_forward(args)
@@ -146,8 +151,9 @@ def _files() -> dict[str, str]:
             LayerNormMLP = getattr(_mlp, "LayerNormMLP", None)
         """,
         "pytorch/distributed.py": """
+            _IN_ACTIVATION_RECOMPUTE_REGION = False
             def is_fp8_activation_recompute_enabled():
-                return False
+                return _IN_ACTIVATION_RECOMPUTE_REGION and False
             def in_fp8_activation_recompute_phase():
                 return False
         """,
@@ -156,8 +162,9 @@ def _files() -> dict[str, str]:
                 return False
         """,
         "pytorch/graph.py": """
+            _IS_GRAPH_CAPTURING = False
             def is_graph_capturing():
-                return False
+                return _IS_GRAPH_CAPTURING
         """,
         "pytorch/jit.py": """
             def no_torch_dynamo(recursive=True):

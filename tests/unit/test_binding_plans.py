@@ -60,6 +60,17 @@ class _MLPFunction:
         return inp
 
 
+class _RegionFlag:
+    """TE's ``_IN_ACTIVATION_RECOMPUTE_REGION`` global, following ``phase``."""
+
+    def __init__(self, phase: dict) -> None:
+        self._phase = phase
+
+    @property
+    def _IN_ACTIVATION_RECOMPUTE_REGION(self) -> bool:
+        return self._phase["enabled"]
+
+
 @pytest.fixture
 def binding(monkeypatch):
     phase = {"enabled": False, "recompute": False}
@@ -76,6 +87,8 @@ def binding(monkeypatch):
         "is_fp8_activation_recompute_enabled": lambda: phase["enabled"],
         "in_fp8_activation_recompute_phase": lambda: phase["recompute"],
         "is_graph_capturing": lambda: False,
+        "graph_flags": SimpleNamespace(_IS_GRAPH_CAPTURING=False),
+        "recompute_flags": _RegionFlag(phase),
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
     }

@@ -1,0 +1,142 @@
+"""Which valid plans TE 2.20 can carry out, and the error for the rest.
+
+A :class:`WorkspacePlan` is valid on its own terms (``_plan.py`` refuses
+contradictions). Whether TE can carry it out depends on the call too, and on
+the levers TE's code offers: the forward quantizer's usages, the cache, TE's
+``is_fsdp2`` switch (save the workspace or not), the rebuild quantizer in
+backward, the in-backward clear, and what the binding releases afterwards
+(see ``_state.levers_from_plan``). Every plan these levers can express runs;
+for any other, planning raises :class:`UnsupportedPlanError` before TE runs,
+naming the field, the context and what to change. Nothing is carried out
+differently from what the plan says.
+
+The rules, each tied to what TE's backward reads (``module/linear.py``'s
+``_linear_backward_impl``, and the same blocks in ``layernorm_linear.py``
+and ``layernorm_mlp.py``):
+
+* No backward follows (grad off): nothing is kept for it, so
+  ``backward_source`` is ``none``. In a recompute region's first pass the
+  checkpoint drops what TE saves; the backward fields describe the
+  recompute pass and are checked there.
+* dgrad under ``backward_override="high_precision"`` reads the
+  high-precision weight; otherwise it reads a quantized one, with the usages
+  the context implies (columnwise; rowwise for ``"dequantized"``).
+* A high-precision weight's backward gets a saved workspace or a rebuild;
+  a quantized parameter's is the parameter itself; a distributed weight's
+  is re-gathered (TE's ``DistributedWeight`` path has no other lever).
+* Columnwise data derived from rowwise data needs a derivable format.
+"""
+
+from __future__ import annotations
+
+from workspace_manager import (
+    BackwardOverride,
+    BackwardSource,
+    CacheAction,
+    ColumnwiseSource,
+    Release,
+    Sharding,
+    UnsupportedPlanError,
+    Usage,
+    WorkspaceContext,
+    WorkspacePlan,
+)
+
+__all__ = ["unsupported_reason", "require_supported"]
+
+_HIGH_PRECISION_SOURCES = (BackwardSource.SAVED_WORKSPACE, BackwardSource.REQUANTIZE)
+
+
+def unsupported_reason(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
+    """Why TE 2.20 cannot carry out ``plan`` for ``context`` (naming the
+    field), or None when it can. Pure: a function of its two arguments."""
+    for rule in (_backward_rule, _weight_rule, _columnwise_rule):
+        reason = rule(context, plan)
+        if reason is not None:
+            return reason
+    return None
+
+
+def require_supported(key: str, context: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """Raise :class:`UnsupportedPlanError` when ``plan`` cannot run for ``context``."""
+    reason = unsupported_reason(context, plan)
+    if reason is not None:
+        raise UnsupportedPlanError(
+            f"TE 2.20 cannot carry out the plan for {key}: {reason}. Plan: {plan.summary()}. Context: {context}. "
+            "Change the policy so that it plans this context differently (te_integration.unsupported_reason "
+            "checks a plan without running TE)."
+        )
+
+
+def _backward_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
+    """What backward reads, given the call."""
+    source = plan.backward_source
+    if not context.grad_enabled:
+        if source is not BackwardSource.NONE:
+            return (f"backward_source={source.value}, but grad is off, so no backward follows this call and "
+                    "nothing can be kept for it: use backward_source=none")
+        return None
+    if not context.training:
+        # A recompute region's first pass: the checkpoint drops whatever TE
+        # saves, and the plan's backward fields describe the recompute pass.
+        return None
+    override = context.backward_override
+    if source is BackwardSource.HIGH_PRECISION and override is not BackwardOverride.HIGH_PRECISION:
+        return ("backward_source=high_precision needs backward_override='high_precision' (TE's dgrad reads a "
+                "quantized weight otherwise)")
+    if not context.needs_dgrad:
+        return None  # wgrad only: whatever is kept goes unread, but is kept as planned
+    if override is BackwardOverride.HIGH_PRECISION:
+        if source is not BackwardSource.HIGH_PRECISION:
+            return (f"backward_source={source.value}, but under backward_override='high_precision' TE's dgrad "
+                    "reads the high-precision weight: use backward_source=high_precision")
+        return None
+    if source is BackwardSource.NONE:
+        return "backward_source=none, but dgrad reads this weight (the input requires grad)"
+    needed = Usage.ROWWISE if override is BackwardOverride.DEQUANTIZED else Usage.COLUMNWISE
+    if needed not in plan.backward_usage:
+        return (f"backward_usage={plan.backward_usage.label}, but TE's dgrad reads {needed.label} data in this "
+                "context")
+    return None
+
+
+def _weight_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
+    """What each kind of weight can be given."""
+    source = plan.backward_source
+    if context.sharding is Sharding.DISTRIBUTED_WEIGHT:
+        return _distributed_rule(plan)
+    if context.is_quantized_param:
+        if source in _HIGH_PRECISION_SOURCES or source is BackwardSource.REGATHER:
+            return (f"backward_source={source.value} is for high-precision or distributed weights; a quantized "
+                    "parameter's backward reads the parameter (saved_parameter)")
+        if plan.cache is not CacheAction.BYPASS:
+            return f"cache={plan.cache.value}: TE never caches a quantized parameter (it is its own workspace)"
+        return None
+    if source in (BackwardSource.SAVED_PARAMETER, BackwardSource.REGATHER):
+        return (f"backward_source={source.value} needs a quantized parameter or a distributed weight; this weight "
+                "is high precision: use saved_workspace or requantize")
+    if plan.parameter_keeps is not Usage.NONE:
+        return f"parameter_keeps={plan.parameter_keeps.label} applies to quantized parameters only; use none"
+    if Release.DERIVED_COLUMNWISE in plan.release:
+        return "release=derived_columnwise applies to quantized parameters only"
+    return None
+
+
+def _distributed_rule(plan: WorkspacePlan) -> str | None:
+    """TE's ``DistributedWeight`` path: gathered per forward, gathered again in backward."""
+    if plan.cache is not CacheAction.BYPASS:
+        return (f"cache={plan.cache.value}: a distributed weight is gathered for each call, and TE 2.20 keeps no "
+                "workspace of it; use cache=bypass")
+    if plan.backward_source in _HIGH_PRECISION_SOURCES + (BackwardSource.SAVED_PARAMETER,):
+        return (f"backward_source={plan.backward_source.value}: TE re-gathers a distributed weight in backward "
+                "(regather)")
+    if plan.forward_usage is not Usage.ROWWISE:
+        return "forward_usage must be rowwise for a distributed weight (its backward builds its own columnwise data)"
+    return None
+
+
+def _columnwise_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
+    if plan.columnwise_source is ColumnwiseSource.DERIVED and not context.capabilities.columnwise_derivable:
+        return (f"columnwise_source=derived, but {context.capabilities.name} cannot derive columnwise data from "
+                "rowwise data")
+    return None

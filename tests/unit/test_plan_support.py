@@ -1,0 +1,146 @@
+"""Which valid plans the binding carries out, and the clear refusal of the
+rest (te_integration/_support.py), on CPU against a stand-in TE.
+
+Also D9 (a backward rebuild builds only what dgrad reads) and D7 (a TE
+distributed weight is planned by the policy), driven through the public
+``forward`` of a converted stand-in module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from _fake_te import LinearFunction, TELinear, load_full_binding
+
+from workspace_manager import (
+    PROFILES,
+    BackwardOverride,
+    BackwardSource,
+    CacheAction,
+    ColumnwiseSource,
+    LeanWorkspacePolicy,
+    Microbatch,
+    PolicyMismatchError,
+    RecomputePass,
+    RecomputeScope,
+    Sharding,
+    UnsupportedPlanError,
+    WeightSource,
+    WorkspaceContext,
+    WorkspacePolicy,
+)
+from workspace_manager._explain import POLICY_CHOICES, _policy_choices
+
+
+@pytest.fixture
+def ti(monkeypatch):
+    LinearFunction.fail_backward = False
+    LinearFunction.rebuilt.clear()
+    return load_full_binding(monkeypatch)
+
+
+def _contexts():
+    for caps, fields in itertools.product(PROFILES.values(), itertools.product(
+            Sharding, RecomputePass, RecomputeScope, (True, False), (True, False), WeightSource, Microbatch,
+            BackwardOverride)):
+        sharding, recompute, scope, grad, input_rg, weight, microbatch, override = fields
+        try:
+            yield WorkspaceContext(capabilities=caps, sharding=sharding, recompute=recompute, recompute_scope=scope,
+                                   grad_enabled=grad, input_requires_grad=input_rg, weight=weight,
+                                   microbatch=microbatch, backward_override=override)
+        except ValueError:
+            continue  # an impossible context (e.g. a recompute pass without grad)
+
+
+@pytest.mark.parametrize("name", POLICY_CHOICES)
+def test_every_plan_of_a_shipped_policy_is_carried_out(ti, name):
+    policy, planned = _policy_choices()[name], 0
+    for ctx in _contexts():
+        if not policy.covers(ctx):
+            continue
+        try:
+            plan = policy.plan(ctx)
+        except PolicyMismatchError:
+            continue
+        planned += 1
+        assert ti.support.unsupported_reason(ctx, plan) is None, (ctx, plan.summary())
+    assert planned > 100
+
+
+@dataclass(frozen=True)
+class _HighPrecisionDgrad(WorkspacePolicy):
+    """A user policy asking for a high-precision dgrad without TE's override."""
+
+    def backward_source(self, ctx, cache):
+        return BackwardSource.HIGH_PRECISION if ctx.needs_dgrad else super().backward_source(ctx, cache)
+
+
+@dataclass(frozen=True)
+class _SavesWithoutGrad(WorkspacePolicy):
+    """A user policy that keeps a workspace for a backward that never comes."""
+
+    def backward_source(self, ctx, cache):
+        return BackwardSource.SAVED_WORKSPACE
+
+
+def test_a_plan_te_cannot_carry_out_is_refused_naming_the_field_before_te_runs(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8), policy=_HighPrecisionDgrad())
+    with pytest.raises(UnsupportedPlanError, match=r"backward_source=high_precision needs backward_override"):
+        managed(torch.randn(4, 8, requires_grad=True))
+    assert managed.calls[-1].seen_workspace is None  # refused at planning: TE's forward never quantized
+    assert ti.seams.ACTIVE.get() is None
+
+
+def test_the_refusal_names_the_context(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8), policy=_SavesWithoutGrad())
+    with torch.no_grad(), pytest.raises(UnsupportedPlanError, match=r"grad is off.*Context: WorkspaceContext"):
+        managed(torch.randn(4, 8))
+    assert issubclass(UnsupportedPlanError, PolicyMismatchError)  # callers catching the old error still do
+
+
+@pytest.mark.parametrize("field, plan_fields, reason", [
+    ("backward_source", dict(backward_source=BackwardSource.SAVED_PARAMETER,
+                             columnwise_source=ColumnwiseSource.PARAMETER), "needs a quantized parameter"),
+    ("cache", dict(cache=CacheAction.FILL), "never caches a quantized parameter"),
+])
+def test_unsupported_reason_names_the_field(ti, field, plan_fields, reason):
+    from dataclasses import replace
+
+    weight = WeightSource.QUANTIZED_PARAM if field == "cache" else WeightSource.HIGH_PRECISION
+    ctx = WorkspaceContext(capabilities=PROFILES["float8_current_scaling"], sharding=Sharding.NONE, weight=weight)
+    plan = WorkspacePolicy().plan(ctx)
+    assert ti.support.unsupported_reason(ctx, plan) is None
+    changed = replace(plan, **plan_fields)
+    assert reason in ti.support.unsupported_reason(ctx, changed) and field in ti.support.unsupported_reason(ctx, changed)
+
+
+def test_a_backward_rebuild_builds_only_the_columnwise_data_dgrad_reads(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8, seed=3), policy=LeanWorkspacePolicy())
+    x = torch.randn(4, 8, requires_grad=True)
+    managed(x).sum().backward()
+    _, plan = ti.modules.last_plans(managed)["weight"]
+    assert plan.backward_source is BackwardSource.REQUANTIZE and plan.backward_usage.label == "columnwise"
+    (rebuilt,) = LinearFunction.rebuilt
+    assert (rebuilt.rowwise, rebuilt.columnwise) == (False, True)
+    q = managed.quantizer  # left as TE's own rebuild leaves it
+    assert (q.rowwise_usage, q.columnwise_usage) == (True, True)
+    stock = TELinear(8, 8, seed=3)
+    x2 = x.detach().clone().requires_grad_()
+    stock(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_a_distributed_weight_is_planned_by_its_policy_and_never_cached(ti, monkeypatch):
+    monkeypatch.setattr(ti.seams.te, "is_distributed_weight", lambda w: bool(getattr(w, "is_distributed_weight", 0)))
+    managed = ti.modules.convert_model(TELinear(8, 8, seed=5))
+    managed.weight.is_distributed_weight = True
+    for first in (True, False):
+        managed(torch.randn(4, 8, requires_grad=True), is_first_microbatch=first).sum().backward()
+        ctx, plan = ti.modules.last_plans(managed)["weight"]
+        assert ctx.sharding is Sharding.DISTRIBUTED_WEIGHT
+        assert plan.backward_source is BackwardSource.REGATHER and plan.cache is CacheAction.BYPASS
+    assert managed._fp8_workspaces == {}
+    assert managed.calls[-1].is_fsdp2 is True  # TE keeps nothing from forward
