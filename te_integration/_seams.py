@@ -103,51 +103,53 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
             _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
                                            weight=tensor)
         return out, new
-    out, hit = _planned_quantize(module, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
+    if levers.cache is not CacheAction.BYPASS:
+        out, hit = _cached_quantize(module, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
+    else:  # the common case, spelled here: one Python call fewer per module call
+        want_columnwise, hit = levers.forward_columnwise, False
+        if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
+            quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+        if levers.saves_columnwise_only:
+            state = module._wm_state  # D11: stripped once TE's forward has saved it (see _run_planned)
+            state.rowwise_parts = [out] if state.rowwise_parts is None else state.rowwise_parts + [out]
     if _LEDGER.enabled:
         _attribution.forward_workspace(module, levers.key, levers.plan, out, from_cache=hit)
     return out, None
 
 
-
-
-def _planned_quantize(module, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
-    """Quantize a high-precision weight as its plan says; returns the
-    workspace and whether it came from the cache."""
+def _cached_quantize(module, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
+    """Quantize a high-precision weight through the module's cache as its
+    plan says (FILL, REUSE or READ_ONLY); returns the workspace and whether
+    it came from the cache."""
     state: ModuleWorkspaceState = module._wm_state
     want_columnwise = levers.forward_columnwise
     if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
         quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
-    action = levers.cache
-    if action is not CacheAction.BYPASS:
-        key = levers.key
-        pending = state.pending
-        cached = pending.get(key) if pending else None
-        if cached is None:
-            cached = module._fp8_workspaces.get(key)
-        # An entry this state filled with the usages wanted serves as it is
-        # (see ModuleWorkspaceState.filled); any other is checked in full.
-        filled = state.filled.get(key)
-        if cached is not None and (
-                (filled is not None and filled[0] == id(cached) and (filled[1] or not want_columnwise))
-                or _usable(cached, tensor, quantizer, want_columnwise)):
-            # A hit: FILL refreshes in place (new weights), the others read as is.
-            out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached,
-                                        update_workspace=action is CacheAction.FILL,
-                                        skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
-            return out, True
-        if action is not CacheAction.READ_ONLY:  # FILL or REUSE, missed: build and keep
-            out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None,
-                                          update_workspace=True, skip_update_flag=skip_update_flag,
-                                          workspace_dtype=workspace_dtype, cache=True)
-            state.fill(key, new, want_columnwise)
-            return out, False
-    out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
-                                skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
-    if levers.saves_columnwise_only:
-        parts = _rowwise_parts(out)
-        if parts:
-            state.rowwise_parts = (state.rowwise_parts or []) + parts
+    action, key = levers.cache, levers.key
+    pending = state.pending
+    cached = pending.get(key) if pending else None
+    if cached is None:
+        cached = module._fp8_workspaces.get(key)
+    # An entry this state filled with the usages wanted serves as it is
+    # (see ModuleWorkspaceState.filled); any other is checked in full.
+    filled = state.filled.get(key)
+    if cached is not None and (
+            (filled is not None and filled[0] == id(cached) and (filled[1] or not want_columnwise))
+            or _usable(cached, tensor, quantizer, want_columnwise)):
+        if action is not CacheAction.FILL and skip_update_flag is None:
+            return cached, True  # what TE's quantize_weight returns for a hit it must not refresh
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+        return out, True
+    if action is CacheAction.READ_ONLY:  # missed: a fresh workspace, not stored
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+        return out, False
+    out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                  skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype, cache=True)
+    state.fill(key, new, want_columnwise)
     return out, False
 
 
@@ -167,8 +169,9 @@ def _rowwise_parts(workspace) -> list:
     return []
 
 
-def _save_columnwise_only(ctx, parts: list) -> None:
-    """D11: leave ``parts`` out of what ``ctx`` saves for backward. TE's
+def _save_columnwise_only(ctx, workspaces: list) -> None:
+    """D11: leave the rowwise tensors of ``workspaces`` (see
+    :func:`_rowwise_parts`) out of what ``ctx`` saves for backward. TE's
     storages were split into their tensors by ``prepare_for_saving`` and
     handed to ``ctx.save_for_backward``; a None in a rowwise slot restores
     as a storage without rowwise data, as ``update_usage(rowwise_usage=False)``
@@ -177,8 +180,15 @@ def _save_columnwise_only(ctx, parts: list) -> None:
     saved = getattr(ctx, "to_save", None)
     if not saved:
         return
-    drop = {id(t) for t in parts}
-    ctx.to_save = tuple(None if t is not None and id(t) in drop else t for t in saved)
+    parts = _rowwise_parts(workspaces[0])
+    for workspace in workspaces[1:]:
+        parts += _rowwise_parts(workspace)
+    if len(parts) == 1:  # per-tensor FP8: its data only (list comprehensions are inlined: no calls)
+        part = parts[0]
+        ctx.to_save = tuple([None if t is part else t for t in saved])
+    elif parts:
+        drop = {id(t) for t in parts}
+        ctx.to_save = tuple([None if t is not None and id(t) in drop else t for t in saved])
 
 
 def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:

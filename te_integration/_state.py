@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from workspace_manager import (
     BackwardOverride,
@@ -326,12 +326,18 @@ class RebuildQuantizer:
     TE 2.20 asks for both usages there (``set_usage(rowwise=True,
     columnwise=True)`` before quantizing the gathered weight), although
     dgrad reads only columnwise data. This wrapper ignores that request and
-    quantizes with the plan's usages; any other attribute TE reads comes
-    from the wrapped quantizer. Afterwards the quantizer is left as TE's
-    rebuild leaves it (both usages), so nothing else sees a difference.
+    quantizes with the plan's usages. Formats whose kernels cannot build
+    columnwise data alone (TE 2.20's per-tensor FP8: its cast-transpose
+    needs rowwise output, and says so with ``NotImplementedError``) build
+    both and drop the rest at once, so backward holds only what the plan
+    names. Any other attribute TE reads comes from the wrapped quantizer;
+    afterwards the quantizer is left as TE's rebuild leaves it (both usages).
     """
 
     __slots__ = ("quantizer", "usage", "_rowwise", "_columnwise")
+
+    #: Quantizer classes found unable to build the narrow usage directly.
+    builds_both: ClassVar[set] = set()
 
     def __init__(self, quantizer: Any, usage: Usage) -> None:
         self.quantizer = quantizer
@@ -344,9 +350,17 @@ class RebuildQuantizer:
 
     def __call__(self, tensor: Any) -> Any:
         quantizer = self.quantizer
-        quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
         try:
-            return quantizer(tensor)
+            if type(quantizer) not in RebuildQuantizer.builds_both:
+                quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
+                try:
+                    return quantizer(tensor)
+                except NotImplementedError:
+                    RebuildQuantizer.builds_both.add(type(quantizer))
+            quantizer.set_usage(rowwise=True, columnwise=True)
+            out = quantizer(tensor)
+            out.update_usage(rowwise_usage=self._rowwise, columnwise_usage=self._columnwise)
+            return out
         finally:
             quantizer.set_usage(rowwise=True, columnwise=True)
 

@@ -144,3 +144,42 @@ def test_a_distributed_weight_is_planned_by_its_policy_and_never_cached(ti, monk
         assert plan.backward_source is BackwardSource.REGATHER and plan.cache is CacheAction.BYPASS
     assert managed._fp8_workspaces == {}
     assert managed.calls[-1].is_fsdp2 is True  # TE keeps nothing from forward
+
+
+class _NoColumnwiseOnly:
+    """A quantizer whose kernel cannot build columnwise data alone (TE 2.20's
+    per-tensor FP8 raises NotImplementedError for that)."""
+
+    def __init__(self) -> None:
+        self.rowwise_usage = self.columnwise_usage = True
+        self.calls = 0
+
+    def set_usage(self, *, rowwise=None, columnwise=None):
+        self.rowwise_usage, self.columnwise_usage = rowwise, columnwise
+
+    def __call__(self, tensor):
+        self.calls += 1
+        if not self.rowwise_usage:
+            raise NotImplementedError("columnwise-only quantization is not implemented")
+        return _Built(self.rowwise_usage, self.columnwise_usage)
+
+
+@dataclass
+class _Built:
+    rowwise: bool
+    columnwise: bool
+
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None):
+        self.rowwise, self.columnwise = rowwise_usage, columnwise_usage
+
+
+def test_a_format_that_cannot_build_columnwise_alone_builds_both_and_keeps_columnwise(ti):
+    from workspace_manager import Usage
+
+    quantizer = _NoColumnwiseOnly()
+    rebuild = ti.state.RebuildQuantizer(quantizer, Usage.COLUMNWISE)
+    rebuild.set_usage(rowwise=True, columnwise=True)  # TE's request, ignored
+    first, second = rebuild(torch.ones(2)), rebuild(torch.ones(2))
+    assert (first.rowwise, first.columnwise) == (second.rowwise, second.columnwise) == (False, True)
+    assert quantizer.calls == 3  # the narrow attempt once, then straight to both usages
+    assert (quantizer.rowwise_usage, quantizer.columnwise_usage) == (True, True)

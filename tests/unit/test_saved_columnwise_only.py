@@ -52,7 +52,9 @@ class _Saves(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rowwise, columnwise, scale, seams):
         ctx.save_for_backward(rowwise, columnwise, scale)
-        seams._save_columnwise_only(ctx, [rowwise])
+        # a per-tensor FP8 storage: rowwise data next to a valid transpose
+        seams._save_columnwise_only(ctx, [SimpleNamespace(_data=rowwise, _transpose=columnwise,
+                                                          _transpose_invalid=False)])
         return x * 2
 
     @staticmethod
