@@ -20,7 +20,9 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
 
 The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
-pieces (``_dist``, ``_stack``) import TE, CUDA and ``te_integration`` only
-inside the functions that use them, so ``--help`` and the CPU tests work
-without them. See benchmarks/README.md.
+pieces (``_dist``, ``_model``, ``_stack``) import TE, CUDA and
+``te_integration`` only inside the functions that use them, so ``--help``
+and the CPU tests work without them. ``_model`` (the model) and ``_dist``
+(launch and worker skeleton) serve the GPU test workers of ``tests/gpu``
+too. See benchmarks/README.md.
 """

@@ -1,12 +1,20 @@
-"""Launching an FSDP2 benchmark: torchrun, CUDA, TE and NCCL, checked with
-errors that say what to do. torch.distributed, CUDA and TE are imported
-inside the functions, so importing this module needs none of them."""
+"""Launching an FSDP2 benchmark or GPU test worker: torchrun, CUDA, TE and
+NCCL, checked with errors that say what to do; the process group; and the
+skeleton every torchrun worker of ``tests/gpu`` shares (:func:`run_worker`).
+torch.distributed, CUDA and TE are imported inside the functions, so
+importing this module needs none of them."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SAFE_ENV", "Dist", "guard", "launch_message", "require_launch", "run_worker"]
 
 #: NVLink multicast (NVLS) stays off: the benchmarks do not need it, and on
 #: hosts whose GPUs are shared or partitioned its setup can fail. Set only
@@ -48,9 +56,10 @@ def require_launch(name: str, argv: Sequence[str], *, ranks: int = 1) -> None:
 
 
 class Dist:
-    """This rank, and the few collectives the benchmarks need."""
+    """This rank, and the few collectives the benchmarks need. ``timeout_s``
+    None: torch's own default for NCCL collectives."""
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
+    def __init__(self, timeout_s: float | None = 300.0) -> None:
         import torch
         import torch.distributed as dist
 
@@ -58,7 +67,8 @@ class Dist:
             os.environ.setdefault(key, value)
         self.local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(self.local_rank)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl", timeout=timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._dist, self._torch = dist, torch
 
@@ -87,3 +97,38 @@ class Dist:
         if self._dist.is_initialized():
             self._dist.barrier()
             self._dist.destroy_process_group()
+
+
+def guard(report: dict, where: str, fn: Callable[[], Any],
+          catch: tuple[type[BaseException], ...] = (Exception,)) -> bool:
+    """Run ``fn``; if it raises one of ``catch``, list the traceback under
+    ``report["errors"]`` (labelled ``where``), free the GPU memory it left,
+    and go on, so one failing case does not hide the others. True if it ran
+    through."""
+    try:
+        fn()
+    except catch:
+        report["errors"].append({"where": where, "traceback": traceback.format_exc()})
+        from ._model import release_memory
+
+        release_memory()
+        return False
+    return True
+
+
+def run_worker(out_path: str | os.PathLike, body: Callable[[dict], None], **fields: Any) -> int:
+    """The skeleton of a torchrun worker of ``tests/gpu``: join the NCCL
+    process group on this rank's GPU (torch's default timeout), start the
+    report as ``fields`` plus an empty ``errors`` list, let ``body`` fill it
+    (each case through :func:`guard`; whatever escapes ``body`` is listed
+    too), write it as JSON to ``out_path`` on rank 0, wait for every rank
+    and leave the group. Exit status 1 if the report lists an error."""
+    dist = Dist(timeout_s=None)
+    report = {**fields, "errors": []}
+    try:
+        guard(report, "worker", lambda: body(report))
+        if dist.is_main:
+            Path(out_path).write_text(json.dumps(report, indent=1))
+    finally:
+        dist.close()
+    return 1 if report["errors"] else 0

@@ -75,7 +75,7 @@ def apply_summary(result: dict, summary: dict) -> None:
 
 def supported_recipes(names: Sequence[str], result: dict) -> list[str]:
     """The recipes this GPU runs (TE's own checks); the others are skipped with TE's reason."""
-    from ._stack import recipe_skip_reason
+    from ._model import recipe_skip_reason
 
     kept = []
     for name in names:
@@ -97,7 +97,7 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
     require_launch(name, list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    from . import _stack
+    from . import _model, _stack
     from ._dist import Dist
 
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
                      f"estimated; writing to {args.out}")
         if getattr(args, "prime", True):
             _stack.prime(args.recipes, dist)
-        run_jobs(jobs, result, progress, on_error=_stack.release_memory)
+        run_jobs(jobs, result, progress, on_error=_model.release_memory)
         apply_summary(result, summarize(result["samples"], args))
     except Exception:
         result["errors"].append({"where": "driver", "traceback": traceback.format_exc()})

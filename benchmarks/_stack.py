@@ -1,14 +1,11 @@
-"""The model, data and measurement loop of the GPU benchmarks.
+"""The sizes, data and measurement loop of the GPU benchmarks.
 
-A stack of ``te.TransformerLayer`` (``fuse_qkv_params=True``, bf16 params,
-no dropout) under FSDP2 (``fully_shard`` on every layer and at the root),
-built stock or from the drop-ins (``te_integration.managed_construction``),
-with bf16 params or under ``te.quantized_model_init``, optionally with
-``te.checkpoint`` around every layer. Trained with TE's FusedAdam (fp32
-master weights) on random data that is the same for stock and drop-in.
-
-This is the approach of ``tests/gpu/_fsdp2_stack.py`` (which stays as it
-is), generalised to sizes, depths, microbatches and recompute. Memory
+The model is ``_model.build_stack``, the builder the GPU tests use too: a
+stack of ``te.TransformerLayer`` under FSDP2, built stock or from the
+drop-ins, with bf16 params or under ``te.quantized_model_init``, optionally
+with ``te.checkpoint`` around every layer. Here it gets its sizes, depths,
+microbatches and recompute mode (``ModelSpec``), random data that is the
+same for stock and drop-in, memory probes and timed steps. Memory
 figures are rank 0's and relative to what was allocated before the model
 was built (TE keeps global state from models built earlier). Step times are
 the slowest rank's, between two ``torch.cuda.synchronize``.
@@ -18,8 +15,6 @@ TE, CUDA and ``te_integration`` are imported inside the functions.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from ._harness import MIB, VARIANT_LABELS
+from ._model import (
+    QuantizationCounter,
+    allocated,
+    build_stack,
+    cached_workspaces,
+    make_recipe,
+    optimizer_for,
+    random_pair,
+    rank,
+    release_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -124,101 +130,13 @@ def estimate_seconds(spec: ModelSpec, steps: Steps) -> float:
 
 
 # -- the model ---------------------------------------------------------------------
-class Stack(torch.nn.Sequential):
-    """The layers in sequence, passing ``is_first_microbatch`` to each, each
-    inside ``te.checkpoint`` when ``checkpoint_mode`` says so. The root stays
-    a module FSDP2 wraps, so its hooks run."""
-
-    checkpoint_mode = "none"
-
-    def forward(self, x, is_first_microbatch=None):
-        if self.checkpoint_mode == "none":
-            for layer in self:
-                x = layer(x, is_first_microbatch=is_first_microbatch)
-            return x
-        import transformer_engine.pytorch as te
-
-        reentrant = self.checkpoint_mode == "reentrant"
-        if reentrant and not x.requires_grad:
-            # A reentrant checkpoint's output needs grad only if an input does:
-            # the layers' parameters are not inputs of its autograd Function.
-            x = x.detach().requires_grad_()
-        for layer in self:
-            x = te.checkpoint(layer, x, is_first_microbatch=is_first_microbatch, use_reentrant=reentrant)
-        return x
-
-
-def make_recipe(name: str):
-    """The TE recipe object for ``name``; None for bf16."""
-    if name == "bf16":
-        return None
-    from transformer_engine.common import recipe
-
-    return getattr(recipe, name)()
-
-
-def recipe_skip_reason(name: str) -> str | None:
-    """TE's own support check for the recipe on this GPU (None: supported)."""
-    if name == "bf16":
-        return None
-    from transformer_engine.pytorch import quantization as q
-
-    check = {"DelayedScaling": q.check_fp8_support, "Float8CurrentScaling": q.check_fp8_support,
-             "Float8BlockScaling": q.check_fp8_block_scaling_support}[name]
-    ok, reason = check()
-    return None if ok else f"{name}: {reason}"
-
-
 def build(spec: ModelSpec) -> torch.nn.Module:
     """The stack of ``spec``, sharded with FSDP2 (seeded: stock and drop-in
     start from the same weights)."""
-    import transformer_engine.pytorch as te
-
-    import te_integration as ti
-
     s = spec.size
-    kwargs: dict[str, Any] = dict(fuse_qkv_params=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
-                                  attention_dropout=0.0)
-    recipe = make_recipe(spec.recipe)
-    qinit = spec.quantized_init and recipe is not None
-    if qinit:
-        kwargs["device"] = "meta"
-    init = te.quantized_model_init(enabled=True, recipe=recipe) if qinit else contextlib.nullcontext()
-    construction = ti.managed_construction() if spec.managed else contextlib.nullcontext()
-    torch.manual_seed(0)
-    with init, construction:
-        model = Stack(*[te.TransformerLayer(s.hidden, s.ffn, s.heads, **kwargs) for _ in range(spec.layers)])
-    model.checkpoint_mode = spec.checkpoint
-    _shard(model, spec.reshard_after_forward, qinit)
-    return model
-
-
-def _shard(model: torch.nn.Module, reshard_after_forward: bool, qinit: bool) -> None:
-    """``fully_shard`` every layer and the root; materialize meta weights
-    (quantized init); keep TE's parameter attributes, which FSDP2's new
-    parameters lack."""
-    from torch.distributed.fsdp import fully_shard
-
-    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    for child in model.children():
-        fully_shard(child, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
-    if qinit:
-        torch.manual_seed(0)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    for name, p in model.named_parameters():
-        for key, value in attrs.get(name, {}).items():
-            if not hasattr(p, key):
-                setattr(p, key, value)
-
-
-def optimizer_for(model: torch.nn.Module):
-    import transformer_engine.pytorch as te
-
-    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
-                                   master_weight_dtype=torch.float32)
+    return build_stack(s.hidden, s.ffn, s.heads, spec.layers, recipe=make_recipe(spec.recipe), managed=spec.managed,
+                       quantized_init=spec.quantized_init, reshard_after_forward=spec.reshard_after_forward,
+                       checkpoint=spec.checkpoint)
 
 
 def weight_numel(model: torch.nn.Module) -> int:
@@ -229,28 +147,11 @@ def weight_numel(model: torch.nn.Module) -> int:
 def make_batches(size: Size, step: int, micro: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Inputs and targets of one step: different per rank, step and
     microbatch; the same for every model."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    batches = []
-    for m in range(micro):
-        g = torch.Generator(device="cuda").manual_seed(1_000 + 1_000 * step + 10 * m + rank)
-        x = torch.randn(size.seq, size.batch, size.hidden, dtype=torch.bfloat16, device="cuda", generator=g)
-        batches.append((x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)))
-    return batches
+    shape = (size.seq, size.batch, size.hidden)
+    return [random_pair(1_000 + 1_000 * step + 10 * m + rank(), shape) for m in range(micro)]
 
 
 # -- measuring ---------------------------------------------------------------------
-def allocated() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
-def release_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def install_seams() -> None:
     """Install the drop-ins' seams now, so stock and drop-in models run in
     the same process state whatever the order (stock modules pass through
@@ -258,36 +159,6 @@ def install_seams() -> None:
     from te_integration import _seams
 
     _seams.install()
-
-
-class QuantizationCounter:
-    """Counts real weight quantizations (cache hits without refresh
-    excluded), stock and drop-in alike: both reach TE's ``quantize_weight``
-    through ``te_integration._compat`` once the seams are installed."""
-
-    def __init__(self) -> None:
-        from te_integration import _compat
-
-        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
-
-    def __enter__(self) -> QuantizationCounter:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
-        def counting(**kw):
-            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
-            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
-                self.count += 1
-            return self.original(**kw)
-
-        self.compat.quantize_weight = counting
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.compat.quantize_weight = self.original
-
-
-def cached_workspaces(model: torch.nn.Module) -> int:
-    return sum(len(getattr(m, "_fp8_workspaces", None) or {}) for m in model.modules())
 
 
 class Probe:

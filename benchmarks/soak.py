@@ -51,7 +51,8 @@ def soak_run(spec: ModelSpec, n_steps: int, dist, say: Callable[[str], None], ev
     """Train ``n_steps`` steps; allocated memory after each (synchronized)."""
     import torch
 
-    from ._stack import allocated, build, make_batches, make_recipe, optimizer_for, release_memory, run_step
+    from ._model import allocated, make_recipe, optimizer_for, release_memory
+    from ._stack import build, make_batches, run_step
 
     release_memory()
     baseline = allocated()

@@ -16,130 +16,75 @@ Rank 0 writes everything to OUT.json.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import json
 import os
 import sys
-import traceback
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+# The model and the worker skeleton are the benchmarks' (benchmarks/_model.py,
+# benchmarks/_dist.py): torchrun starts this file by path, so the repository
+# root goes on sys.path first.
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._dist import guard, run_worker  # noqa: E402
+from benchmarks._model import QuantizationCounter, allocated, build_stack, cached_workspaces  # noqa: E402
+from benchmarks._model import make_recipe, optimizer_for, random_pair, rank, release_memory  # noqa: E402
 
 HIDDEN, FFN, HEADS, LAYERS, SEQ, BATCH = 256, 1024, 8, 8, 32, 2
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
 STEPS, WARMUP = 5, 2
 
 
-class Stack(torch.nn.Sequential):
-    """The layers in sequence, passing ``is_first_microbatch`` to each (the
-    root stays a module FSDP2 wraps, so its hooks run)."""
-
-    #: None, or the te.checkpoint mode around every layer ("reentrant", "nonreentrant").
-    checkpoint_mode = None
-
-    def forward(self, x, is_first_microbatch=None):
-        if self.checkpoint_mode is None:
-            for layer in self:
-                x = layer(x, is_first_microbatch=is_first_microbatch)
-            return x
-        import transformer_engine.pytorch as te
-
-        reentrant = self.checkpoint_mode == "reentrant"
-        if reentrant and not x.requires_grad:
-            # A reentrant checkpoint runs backward only if an input needs grad;
-            # the layers' parameters are not inputs of its autograd Function.
-            x = x.detach().requires_grad_()
-        for layer in self:
-            x = te.checkpoint(layer, x, use_reentrant=reentrant)
-        return x
-
-
-def _recipe(name):
-    from transformer_engine.common import recipe
-
-    return None if name == "bf16" else getattr(recipe, name)()
-
-
 def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bool = True,
           size: tuple[int, int, int, int] = (HIDDEN, FFN, HEADS, LAYERS)):
-    import transformer_engine.pytorch as te
-    from torch.distributed.fsdp import fully_shard
-
-    import te_integration as ti
-
-    kwargs = dict(fuse_qkv_params=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
-    if quantized_init:
-        kwargs["device"] = "meta"
-    init = te.quantized_model_init(enabled=True, recipe=recipe) if quantized_init else contextlib.nullcontext()
-    construction = ti.managed_construction() if managed else contextlib.nullcontext()
-    hidden, ffn, heads, layers = size
-    torch.manual_seed(0)
-    with init, construction:
-        model = Stack(*[te.TransformerLayer(hidden, ffn, heads, **kwargs) for _ in range(layers)])
-    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    for child in model.children():
-        fully_shard(child, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
-    if quantized_init:
-        torch.manual_seed(0)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    for name, p in model.named_parameters():
-        for key, value in attrs.get(name, {}).items():
-            if not hasattr(p, key):
-                setattr(p, key, value)
-    return model
-
-
-def optimizer_for(model):
-    import transformer_engine.pytorch as te
-
-    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
-                                   master_weight_dtype=torch.float32)
+    """The stack of TE's FSDP2 leak tests, or ``size`` = (hidden, ffn, heads, layers)."""
+    return build_stack(*size, recipe=recipe, managed=managed, quantized_init=quantized_init,
+                       reshard_after_forward=reshard_after_forward)
 
 
 def data(step: int, micro: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(1000 + 10 * step + micro + dist.get_rank())
-    x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16, device="cuda", generator=g)
-    return x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)
+    """Input and target of one (micro)batch: different per rank, step and microbatch."""
+    return random_pair(1000 + 10 * step + micro + rank(), (SEQ, BATCH, HIDDEN))
 
 
 def mib(n):
     return n / 2**20
 
 
-def train_and_measure(model, recipe, baseline: int):
-    """Losses of every step; memory figures averaged over the steps after
-    warm-up. Peak and after-step figures are relative to ``baseline`` (what
-    was allocated before the model was built: TE keeps some global state,
-    e.g. DelayedScaling's amax buffers, from models built earlier)."""
+def train_and_measure(model, recipe, baseline: int, batch=data):
+    """``STEPS`` steps on ``batch(step)``: losses of every step; memory
+    figures averaged over the steps after warm-up. Peak and after-step
+    figures are relative to ``baseline`` (what was allocated before the
+    model was built: TE keeps some global state, e.g. DelayedScaling's amax
+    buffers, from models built earlier)."""
     import transformer_engine.pytorch as te
 
     opt = optimizer_for(model)
     marks, losses, fwd, bwd, kept, after = [], [], [], [], [], []
-    hooks = [m.register_forward_hook(lambda *_: marks.append(_allocated())) for m in model.children()]
+    hooks = [m.register_forward_hook(lambda *_: marks.append(allocated())) for m in model.children()]
     torch.cuda.reset_peak_memory_stats()
     for step in range(STEPS):
         marks.clear()
-        x, target = data(step)
+        x, target = batch(step)
         opt.zero_grad(set_to_none=True)
-        pre_fwd = _allocated()
+        pre_fwd = allocated()
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             out = model(x)
-        post_fwd = _allocated()
+        post_fwd = allocated()
         loss = F.mse_loss(out, target)
         loss.backward()
-        post_bwd = _allocated()
+        post_bwd = allocated()
         opt.step()
         losses.append(loss.item())
         if step >= WARMUP:
             fwd.append(sum(b - a for a, b in zip(marks, marks[1:])) / (len(marks) - 1))
             bwd.append(post_bwd - post_fwd)
             kept.append(post_bwd - pre_fwd)
-            after.append(_allocated())
+            after.append(allocated())
     for h in hooks:
         h.remove()
     return {
@@ -163,7 +108,7 @@ def recompute_gradients(name: str, mode: str, steps: int = 3) -> dict:
     at d7db962 (decisions.md, D3)."""
     import transformer_engine.pytorch as te
 
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     result = {"recipe": name, "mode": mode}
     grads = {}
     for label, managed in (("stock", False), ("managed", True)):
@@ -184,8 +129,7 @@ def recompute_gradients(name: str, mode: str, steps: int = 3) -> dict:
             losses.append(loss.item())
         result[label] = {"losses": losses}
         del model, opt
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     result["grads_differing"] = [sum(not _same(a, b) for a, b in zip(s, m))
                                  for s, m in zip(grads["stock"], grads["managed"])]
     result["grads_missing"] = sum(g is None for g in grads["stock"][0])
@@ -214,46 +158,16 @@ def warm_up_gemm() -> None:
     torch.cuda.synchronize()
 
 
-def _allocated():
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
 def run_config(name: str, quantized_init: bool) -> dict:
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     result = {"recipe": name, "quantized_init": quantized_init}
     for label, managed in (("stock", False), ("managed", True)):
-        baseline = _allocated()
+        baseline = allocated()
         model = build(managed, recipe, quantized_init)
         result[label] = train_and_measure(model, recipe, baseline)
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     return result
-
-
-class QuantizationCounter:
-    """Counts real weight quantizations (cache hits without refresh excluded)."""
-
-    def __init__(self):
-        from te_integration import _compat
-
-        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
-
-    def __enter__(self):
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
-        def counting(**kw):
-            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
-            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
-                self.count += 1
-            return self.original(**kw)
-
-        self.compat.quantize_weight = counting
-        return self
-
-    def __exit__(self, *exc):
-        self.compat.quantize_weight = self.original
 
 
 def run_microbatches(name: str, micro: int = 4) -> dict:
@@ -261,10 +175,10 @@ def run_microbatches(name: str, micro: int = 4) -> dict:
     import te_integration._seams as seams
 
     seams.install()  # stock modules then also pass through the counted name
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     result = {"recipe": name, "microbatches": micro}
     for label, managed in (("stock", False), ("managed", True)):
-        baseline = _allocated()
+        baseline = allocated()
         model = build(managed, recipe, False, reshard_after_forward=False)
         opt = optimizer_for(model)
         losses, counts, cached_after = [], [], []
@@ -280,13 +194,12 @@ def run_microbatches(name: str, micro: int = 4) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             counts.append(counter.count)
-            cached_after.append(sum(len(getattr(mod, "_fp8_workspaces", {})) for mod in model.modules()))
+            cached_after.append(cached_workspaces(model))
         result[label] = {"losses": losses, "quantizations_per_step": counts,
                          "cached_workspaces_after_step": cached_after,
-                         "after_step_mib": mib(_allocated() - baseline)}
+                         "after_step_mib": mib(allocated() - baseline)}
         del model, opt
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     return result
 
 
@@ -326,10 +239,10 @@ def attribution(name: str, quantized_init: bool, micro: int = 1) -> dict:
     import te_integration._seams as seams
 
     seams.install()
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     result = {"recipe": name, "quantized_init": quantized_init, "microbatches": micro}
     for label, managed in (("stock", False), ("managed", True)):
-        baseline = _allocated()
+        baseline = allocated()
         model = build(managed, recipe, quantized_init, reshard_after_forward=micro == 1)
         opt = optimizer_for(model)
         leftovers = []
@@ -341,8 +254,7 @@ def attribution(name: str, quantized_init: bool, micro: int = 1) -> dict:
         result[label] = {"baseline": baseline, "timeline": rec.timeline_dicts(), "after_step": after.as_dict(),
                          "after_step_table": after.table(), "leftovers_per_step": leftovers}
         del model, opt, rec, after
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     return result
 
 
@@ -351,7 +263,7 @@ def retained_by_site(name: str, quantized_init: bool = False, managed: bool = Fa
     the innermost Python frames that allocated it (evidence for the bwd delta)."""
     import transformer_engine.pytorch as te
 
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     model = build(managed, recipe, quantized_init)
     opt = optimizer_for(model)
     for step in range(WARMUP):
@@ -399,49 +311,37 @@ def _group(blocks: dict) -> list:
     return [{"site": s, "kib": round(v[0] / 1024, 1), "blocks": v[1]} for s, v in top]
 
 
-def main() -> int:
-    out_path = sys.argv[1]
-    quick = "--quick" in sys.argv
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    report = {"configs": [], "microbatches": [], "evidence": [], "attribution": [], "recompute": [], "errors": []}
+def run_cases(report: dict, quick: bool, attribution_only: bool) -> None:
+    """Every case of this worker, each recorded through ``guard`` (one
+    failing case does not hide the others). ``attribution_only``: issue 6's
+    runs alone (for the timeline figures)."""
     configs = [("bf16", False)] + [(r, q) for r in RECIPES for q in (False, True)]
     if quick:
         configs = configs[:3]
-    attribution_only = "--attribution-only" in sys.argv  # issue 6's runs alone (for the timeline figures)
     if attribution_only:
-        _guard(report, "warm-up GEMM", warm_up_gemm)
+        guard(report, "warm-up GEMM", warm_up_gemm)
     for name, qinit in [] if attribution_only else configs:
-        _guard(report, f"config {name} qinit={qinit}", lambda: report["configs"].append(run_config(name, qinit)))
+        guard(report, f"config {name} qinit={qinit}", lambda: report["configs"].append(run_config(name, qinit)))
     for name in [] if attribution_only else RECIPES[: 1 if quick else 3]:
-        _guard(report, f"microbatches {name}", lambda: report["microbatches"].append(run_microbatches(name)))
+        guard(report, f"microbatches {name}", lambda: report["microbatches"].append(run_microbatches(name)))
     for name, qinit in configs[1:]:
-        _guard(report, f"attribution {name} qinit={qinit}",
-               lambda: report["attribution"].append(attribution(name, qinit)))
+        guard(report, f"attribution {name} qinit={qinit}",
+              lambda: report["attribution"].append(attribution(name, qinit)))
     for name in RECIPES[: 1 if quick else 3]:
-        _guard(report, f"attribution {name} microbatches",
-               lambda: report["attribution"].append(attribution(name, False, micro=4)))
+        guard(report, f"attribution {name} microbatches",
+              lambda: report["attribution"].append(attribution(name, False, micro=4)))
     for name, managed in () if attribution_only else (("bf16", False), ("Float8CurrentScaling", False),
-                                                         ("Float8CurrentScaling", True)):
-        _guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
+                                                        ("Float8CurrentScaling", True)):
+        guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
     for name, mode in [] if attribution_only else [(r, m) for r in RECIPES for m in ("nonreentrant", "reentrant")]:
-        _guard(report, f"recompute {name} {mode}",
-               lambda: report["recompute"].append(recompute_gradients(name, mode)))
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if report["errors"] else 0
+        guard(report, f"recompute {name} {mode}",
+              lambda: report["recompute"].append(recompute_gradients(name, mode)))
 
 
-def _guard(report: dict, label: str, fn) -> None:
-    try:
-        fn()
-    except Exception:  # recorded, so one failing config does not hide the others
-        report["errors"].append({"where": label, "traceback": traceback.format_exc()})
-        gc.collect()
-        torch.cuda.empty_cache()
+def main() -> int:
+    quick, attribution_only = "--quick" in sys.argv, "--attribution-only" in sys.argv
+    return run_worker(sys.argv[1], lambda report: run_cases(report, quick, attribution_only),
+                      configs=[], microbatches=[], evidence=[], attribution=[], recompute=[])
 
 
 if __name__ == "__main__":

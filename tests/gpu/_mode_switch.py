@@ -15,17 +15,13 @@ Rank 0 writes the report to OUT.json.
 
 from __future__ import annotations
 
-import gc
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.distributed as dist
+from _fsdp2_stack import RECIPES, build, forward_backward  # first: it puts the repository root on sys.path
 
-from _fsdp2_stack import RECIPES, _allocated, _guard, _recipe, build, forward_backward, optimizer_for
-from conftest import recipe_skip_reason
+from benchmarks._dist import guard, run_worker
+from benchmarks._model import allocated, make_recipe, optimizer_for, recipe_skip_reason, release_memory
 
 STEPS_PER_PHASE = 2
 #: The layer whose drop-ins' plans are recorded (any inner one would do).
@@ -67,7 +63,7 @@ class ForwardIncrement:
     def __init__(self, model):
         self.marks: list[int] = []
         self.rises: list[float] = []
-        self.handles = [layer.register_forward_pre_hook(lambda *_: self.marks.append(_allocated()))
+        self.handles = [layer.register_forward_pre_hook(lambda *_: self.marks.append(allocated()))
                         for layer in model.children()]
 
     def close_forward(self) -> None:
@@ -147,7 +143,7 @@ def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: boo
 
 def run_stack(name: str, managed: bool) -> list[dict]:
     """One stack through every phase; one result per phase."""
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     model = build(managed, recipe, False, reshard_after_forward=False)
     opt = optimizer_for(model)
     meter = ForwardIncrement(model)
@@ -159,33 +155,30 @@ def run_stack(name: str, managed: bool) -> list[dict]:
     finally:
         meter.remove()
         del model, opt
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
 
 
-def main() -> int:
-    out_path = sys.argv[1]
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+def run_cases(report: dict) -> None:
+    import torch.distributed as dist
+
     # The launcher adds "world_size" as it counted the GPUs; the tests check both agree.
-    report = {"dist_world_size": dist.get_world_size(), "phases": [asdict(p) for p in PHASES],
-              "steps_per_phase": STEPS_PER_PHASE, "bf16": None, "recipes": {}, "unsupported": {}, "errors": []}
-    # Each stack's failure is recorded (_guard), so the tests show it rather than a missing report.
-    _guard(report, "bf16", lambda: report.update(bf16=run_stack("bf16", managed=False)))
+    report["dist_world_size"] = dist.get_world_size()
+    if dist.get_rank() == 0:
+        print(f"_mode_switch.py: world size {report['dist_world_size']}", flush=True)
+    # Each stack's failure is recorded (guard), so the tests show it rather than a missing report.
+    guard(report, "bf16", lambda: report.update(bf16=run_stack("bf16", managed=False)))
     for name in RECIPES:
         reason = recipe_skip_reason(name)
         if reason:
             report["unsupported"][name] = reason
             continue
-        _guard(report, name, lambda: report["recipes"].update(
+        guard(report, name, lambda: report["recipes"].update(
             {name: {"stock": run_stack(name, managed=False), "managed": run_stack(name, managed=True)}}))
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"_mode_switch.py: world size {report['dist_world_size']}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if report["errors"] else 0
+
+
+def main() -> int:
+    return run_worker(sys.argv[1], run_cases, phases=[asdict(p) for p in PHASES], steps_per_phase=STEPS_PER_PHASE,
+                      bf16=None, recipes={}, unsupported={})
 
 
 if __name__ == "__main__":

@@ -11,14 +11,11 @@ stock, loaded into the drop-in model, saved again, loaded into stock).
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 # Deterministic attention backends: without this, TE may pick kernels whose
 # backward accumulates in a nondeterministic order at this size, and two runs
@@ -27,40 +24,24 @@ os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
-from _fsdp2_stack import _allocated, _recipe, build, optimizer_for  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _fsdp2_stack import build  # noqa: E402  (first: it puts the repository root on sys.path)
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from benchmarks._dist import guard, run_worker  # noqa: E402
+from benchmarks._model import allocated, make_recipe, optimizer_for, random_pair, rank, release_memory  # noqa: E402
 
 SIZE = (2048, 8192, 16, 8)
 SEQ, BATCH, STEPS = 1024, 2, 10
 
 
 def batch(step: int):
-    g = torch.Generator(device="cuda").manual_seed(7000 + step + 97 * dist.get_rank())
-    x = torch.randn(SEQ, BATCH, SIZE[0], dtype=torch.bfloat16, device="cuda", generator=g)
-    return x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)
+    return random_pair(7000 + step + 97 * rank(), (SEQ, BATCH, SIZE[0]))
 
 
 def train(model, recipe, steps=STEPS):
-    import transformer_engine.pytorch as te
-
-    opt = optimizer_for(model)
-    losses, times = [], []
-    for step in range(steps):
-        x, target = batch(step)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with te.autocast(enabled=True, recipe=recipe):
-            loss = F.mse_loss(model(x), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return losses, times
+    """``steps`` timed steps of one model: (losses, seconds per step)."""
+    return lockstep({"model": model}, recipe, steps)["model"]
 
 
 def shard_bytes(model) -> dict:
@@ -84,16 +65,15 @@ def run(name: str, reshard: bool) -> dict:
     step time: stock, drop-in and a second stock model trained in lockstep,
     one step each in turn, so that clocks and load affect all alike; the
     second stock model is the run-to-run control."""
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     result = {"recipe": name, "reshard_after_forward": reshard}
     for label, managed in (("stock", False), ("managed", True)):
-        baseline = _allocated()
+        baseline = allocated()
         model = build(managed, recipe, True, reshard_after_forward=reshard, size=SIZE)
         train(model, recipe, steps=3)
-        result[label] = {"after_step_mib": (_allocated() - baseline) / 2**20, "shard_mib": shard_bytes(model)}
+        result[label] = {"after_step_mib": (allocated() - baseline) / 2**20, "shard_mib": shard_bytes(model)}
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
     models = {k: build(m, recipe, True, reshard_after_forward=reshard, size=SIZE)
               for k, m in (("stock", False), ("managed", True), ("stock_again", False))}
     trace = lockstep(models, recipe)
@@ -102,8 +82,7 @@ def run(name: str, reshard: bool) -> dict:
         q1, med, q3 = statistics.quantiles(times[3:], n=4)
         entry.update(losses=losses, step_s=times, median_step_s=med, iqr_step_s=q3 - q1)
     del models
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     return result
 
 
@@ -136,6 +115,21 @@ def outputs(model, recipe):
         return model(x).float()
 
 
+def loaded(managed: bool, recipe, checkpoint_id: str):
+    """A new model (drop-in or stock) with the checkpoint at ``checkpoint_id`` loaded into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = build(managed, recipe, True, size=SIZE)
+    # A model that has run no FP8 step has an empty extra_state (TE's recipe
+    # state), which DCP refuses to load a non-empty one into: run one step first.
+    train(model, recipe, steps=1)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    set_model_state_dict(model, state)
+    return model
+
+
 def dcp_round_trip(name: str) -> dict:
     """Stock saves, the drop-in model loads; the drop-in saves, stock loads.
     For DelayedScaling, first stock into stock (the control: TE's pickled
@@ -143,7 +137,7 @@ def dcp_round_trip(name: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    recipe = _recipe(name)
+    recipe = make_recipe(name)
     stock = build(False, recipe, True, size=SIZE)
     train(stock, recipe, steps=2)
     folder = tempfile.mkdtemp(prefix="dcp_") if dist.get_rank() == 0 else None
@@ -158,58 +152,37 @@ def dcp_round_trip(name: str) -> dict:
         try:
             state = get_model_state_dict(other)
             dcp.load(state, checkpoint_id=f"{folder}/stock")
-            set_model_state_dict(other, state)  # as the drop-in's load below does
+            set_model_state_dict(other, state)  # as loaded() does for the drop-in below
             control = "stock into stock loads"
         except (Exception, CheckpointException) as err:  # the control's outcome is data
             control = f"stock into stock fails too: {str(err).splitlines()[-1][:300]}"
         del other
         if control != "stock into stock loads":
             return {"recipe": name, "te_limitation": control}
-    # A model that has run no FP8 step has an empty extra_state (TE's recipe
-    # state), which DCP refuses to load a non-empty one into: run one step first.
-    managed = build(True, recipe, True, size=SIZE)
-    train(managed, recipe, steps=1)
-    state = get_model_state_dict(managed)
-    dcp.load(state, checkpoint_id=f"{folder}/stock")
-    set_model_state_dict(managed, state)
+    managed = loaded(True, recipe, f"{folder}/stock")
     same_in = torch.equal(outputs(stock, recipe), outputs(managed, recipe))
     dcp.save(get_model_state_dict(managed), checkpoint_id=f"{folder}/managed")
-    fresh = build(False, recipe, True, size=SIZE)
-    train(fresh, recipe, steps=1)
-    state = get_model_state_dict(fresh)
-    dcp.load(state, checkpoint_id=f"{folder}/managed")
-    set_model_state_dict(fresh, state)
+    fresh = loaded(False, recipe, f"{folder}/managed")
     same_back = torch.equal(outputs(stock, recipe), outputs(fresh, recipe))
     shards = shard_bytes(managed)
     del stock, managed, fresh
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     return {"recipe": name, "stock_to_managed_identical": same_in, "managed_to_stock_identical": same_back,
             "managed_shard_mib_after_load": shards, "control": control}
 
 
-def main() -> int:
-    out_path = sys.argv[1]
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    report = {"runs": [], "dcp": [], "errors": []}
+def run_cases(report: dict) -> None:
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
         for reshard in (True, False):
-            try:
-                report["runs"].append(run(name, reshard))
-            except Exception:  # noqa: BLE001  (recorded and reported by the test)
-                report["errors"].append({"where": f"{name} reshard={reshard}", "traceback": traceback.format_exc()})
-        try:
-            report["dcp"].append(dcp_round_trip(name))
-        except (Exception, CheckpointException):  # DCP's exception is a BaseException
-            report["errors"].append({"where": f"dcp {name}", "traceback": traceback.format_exc()})
-            report["dcp"].append({"recipe": name, "failed": traceback.format_exc()[-600:]})
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if report["errors"] else 0
+            guard(report, f"{name} reshard={reshard}", lambda: report["runs"].append(run(name, reshard)))
+        # DCP's CheckpointException is a BaseException, not an Exception.
+        if not guard(report, f"dcp {name}", lambda: report["dcp"].append(dcp_round_trip(name)),
+                     catch=(Exception, CheckpointException)):
+            report["dcp"].append({"recipe": name, "failed": report["errors"][-1]["traceback"][-600:]})
+
+
+def main() -> int:
+    return run_worker(sys.argv[1], run_cases, runs=[], dcp=[])
 
 
 if __name__ == "__main__":

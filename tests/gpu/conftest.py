@@ -6,7 +6,15 @@ Run on a CUDA machine with TE (``pip install -e '.[te,test]'``) with ``pytest -m
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# benchmarks/_model.py holds the recipe table the GPU tests and benchmarks share.
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"]
 
@@ -27,23 +35,16 @@ def _environment_skip() -> str | None:
 
 def recipe_skip_reason(name: str) -> str | None:
     """TE's own support check for the recipe on this GPU (None: supported)."""
-    from transformer_engine.pytorch import quantization as q
+    from benchmarks._model import recipe_skip_reason as skip_reason  # imports torch: not at collection
 
-    check = {
-        "DelayedScaling": q.check_fp8_support,
-        "Float8CurrentScaling": q.check_fp8_support,
-        "Float8BlockScaling": q.check_fp8_block_scaling_support,
-        "MXFP8BlockScaling": q.check_mxfp8_support,
-        "NVFP4BlockScaling": q.check_nvfp4_support,
-    }[name]
-    ok, reason = check()
-    return None if ok else f"{name}: {reason}"
+    return skip_reason(name)
 
 
 def make_recipe(name: str):
-    from transformer_engine.common import recipe
+    """The TE recipe object for ``name``."""
+    from benchmarks._model import make_recipe as recipe_for
 
-    return getattr(recipe, name)()
+    return recipe_for(name)
 
 
 def pytest_collection_modifyitems(config, items):

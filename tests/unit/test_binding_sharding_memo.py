@@ -8,26 +8,10 @@ and hit the memo when toggled back.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _fake_te import TELinear, load_full_binding
 
 from workspace_manager import Sharding
-
-
-@pytest.fixture
-def gloo():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_toggling_reshard_after_forward_replans_once_then_hits_the_memo(monkeypatch, gloo):

@@ -1,0 +1,220 @@
+"""The GPU models that the benchmarks and the GPU tests both build, and what
+every measurement of them needs.
+
+The model: a stack of ``te.TransformerLayer`` (``fuse_qkv_params=True``,
+bf16 params, no dropout) under FSDP2 (``fully_shard`` on every layer and at
+the root), stock or from the drop-ins (``te_integration.managed_construction``),
+with bf16 params or under ``te.quantized_model_init``, optionally with
+``te.checkpoint`` around every layer; seeded, so stock and drop-in start
+from the same weights. Around it: the TE recipe by name with TE's own
+support check, TE's FusedAdam with fp32 master weights, seeded random
+batches, the allocated-memory mark and a counter of weight quantizations.
+
+Why this module, and why here. ``benchmarks/_stack.py`` and
+``tests/gpu/_fsdp2_stack.py`` each had their own copy of this code, the fix
+for the parameter attributes ``fully_shard`` drops included; one copy is
+what keeps a benchmark and a GPU test measuring the same model. It lives in
+``benchmarks`` because that is a package importable from the repository
+root (the CPU tests import it), whereas ``tests/gpu`` is a folder of scripts
+that torchrun starts by path: those workers put the repository root on
+``sys.path`` and import this module. It stays apart from ``_stack`` (the
+benchmarks' sizes, memory probes and timing loops), so that the tests import
+only what they build, and a change to how a benchmark measures cannot change
+what a test builds.
+
+TE, CUDA, ``torch.distributed`` and ``te_integration`` are imported inside
+the functions: importing this module needs torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import torch
+
+__all__ = [
+    "QuantizationCounter",
+    "Stack",
+    "allocated",
+    "build_stack",
+    "cached_workspaces",
+    "make_recipe",
+    "optimizer_for",
+    "random_pair",
+    "rank",
+    "recipe_skip_reason",
+    "release_memory",
+    "shard",
+]
+
+
+class Stack(torch.nn.Sequential):
+    """The layers in sequence, passing ``is_first_microbatch`` to each, each
+    inside ``te.checkpoint`` when ``checkpoint_mode`` says so. The root stays
+    a module FSDP2 wraps, so its hooks run."""
+
+    #: "none", or the te.checkpoint mode around every layer ("nonreentrant", "reentrant").
+    checkpoint_mode = "none"
+
+    def forward(self, x, is_first_microbatch=None):
+        if self.checkpoint_mode == "none":
+            for layer in self:
+                x = layer(x, is_first_microbatch=is_first_microbatch)
+            return x
+        import transformer_engine.pytorch as te
+
+        reentrant = self.checkpoint_mode == "reentrant"
+        if reentrant and not x.requires_grad:
+            # A reentrant checkpoint's output needs grad only if an input does:
+            # the layers' parameters are not inputs of its autograd Function.
+            x = x.detach().requires_grad_()
+        for layer in self:
+            x = te.checkpoint(layer, x, is_first_microbatch=is_first_microbatch, use_reentrant=reentrant)
+        return x
+
+
+# -- recipes -----------------------------------------------------------------------
+def make_recipe(name: str):
+    """The TE recipe object for ``name``; None for bf16 (FP8 off)."""
+    if name == "bf16":
+        return None
+    from transformer_engine.common import recipe
+
+    return getattr(recipe, name)()
+
+
+def recipe_skip_reason(name: str) -> str | None:
+    """TE's own support check for the recipe on this GPU (None: supported)."""
+    if name == "bf16":
+        return None
+    from transformer_engine.pytorch import quantization as q
+
+    check = {
+        "DelayedScaling": q.check_fp8_support,
+        "Float8CurrentScaling": q.check_fp8_support,
+        "Float8BlockScaling": q.check_fp8_block_scaling_support,
+        "MXFP8BlockScaling": q.check_mxfp8_support,
+        "NVFP4BlockScaling": q.check_nvfp4_support,
+    }[name]
+    ok, reason = check()
+    return None if ok else f"{name}: {reason}"
+
+
+# -- the model ---------------------------------------------------------------------
+def build_stack(hidden: int, ffn: int, heads: int, layers: int, *, recipe, managed: bool = False,
+                quantized_init: bool = False, reshard_after_forward: bool = True, checkpoint: str = "none") -> Stack:
+    """``layers`` x ``te.TransformerLayer(hidden, ffn, heads)`` sharded with
+    FSDP2, from seed 0. ``recipe`` is a TE recipe object (None: bf16); with
+    ``quantized_init`` and a recipe, the layers are built on the meta device
+    under ``te.quantized_model_init`` and materialized after sharding."""
+    import transformer_engine.pytorch as te
+
+    import te_integration as ti
+
+    kwargs: dict[str, Any] = dict(fuse_qkv_params=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+                                  attention_dropout=0.0)
+    qinit = quantized_init and recipe is not None
+    if qinit:
+        kwargs["device"] = "meta"
+    init = te.quantized_model_init(enabled=True, recipe=recipe) if qinit else contextlib.nullcontext()
+    construction = ti.managed_construction() if managed else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with init, construction:
+        model = Stack(*[te.TransformerLayer(hidden, ffn, heads, **kwargs) for _ in range(layers)])
+    model.checkpoint_mode = checkpoint
+    shard(model, reshard_after_forward, materialize=qinit)
+    return model
+
+
+def shard(model: torch.nn.Module, reshard_after_forward: bool, *, materialize: bool = False) -> None:
+    """``fully_shard`` every child of ``model`` and the root. ``materialize``:
+    the weights were built on the meta device; reset them from seed 0. The
+    attributes TE sets on its parameters (``tensor_model_parallel``,
+    ``partition_dim``, ...) are put back: the parameters FSDP2 makes in
+    their place do not carry them."""
+    from torch.distributed.fsdp import fully_shard
+
+    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    for child in model.children():
+        fully_shard(child, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    if materialize:
+        torch.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    for name, p in model.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
+def optimizer_for(model: torch.nn.Module):
+    """TE's FusedAdam with fp32 master weights, lr 1e-3."""
+    import transformer_engine.pytorch as te
+
+    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
+                                   master_weight_dtype=torch.float32)
+
+
+# -- data --------------------------------------------------------------------------
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def random_pair(seed: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and a target of ``shape`` (bf16, on the current GPU), drawn
+    one after the other from a generator seeded with ``seed``. Each caller
+    keeps its own seeding rule, so its data stays what it measured before."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=g)
+    return x, torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=g)
+
+
+# -- measuring ---------------------------------------------------------------------
+def allocated() -> int:
+    """``memory_allocated`` once the GPU has finished what was queued."""
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def release_memory() -> None:
+    """Collect garbage and return cached blocks, between two models."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def cached_workspaces(model: torch.nn.Module) -> int:
+    """Workspaces held in the TE modules' own caches (``_fp8_workspaces``)."""
+    return sum(len(getattr(m, "_fp8_workspaces", None) or {}) for m in model.modules())
+
+
+class QuantizationCounter:
+    """Counts real weight quantizations (cache hits without refresh
+    excluded), stock and drop-in alike: both reach TE's ``quantize_weight``
+    through ``te_integration._compat`` once the seams are installed."""
+
+    def __init__(self) -> None:
+        from te_integration import _compat
+
+        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
+
+    def __enter__(self) -> QuantizationCounter:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+        def counting(**kw):
+            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
+            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
+                self.count += 1
+            return self.original(**kw)
+
+        self.compat.quantize_weight = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.compat.quantize_weight = self.original
