@@ -45,6 +45,7 @@ from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
 from ._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
+    KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -82,6 +83,7 @@ __all__ = [
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "LeanWorkspacePolicy",
+    "KeepForBackwardWorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
     "select_policy",
