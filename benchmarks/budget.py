@@ -132,7 +132,8 @@ def paired_budgets(specs: dict, steps: Steps, dist) -> dict:
     _stack.release_memory()
     built = {label: build_with_budget(spec, fraction) for label, (spec, fraction) in specs.items()}
     opts = {label: _stack.optimizer_for(model) for label, (model, _) in built.items()}
-    recipe = _stack.make_recipe(next(iter(specs.values()))[0].recipe)
+    # one recipe object per model, as _stack.paired_times makes them
+    recipes = {label: _stack.make_recipe(spec.recipe) for label, (spec, _) in specs.items()}
     size = next(iter(specs.values()))[0].size
     times: dict[str, list[float]] = {label: [] for label in specs}
     peaks: dict[str, list[float]] = {label: [] for label in specs}
@@ -141,7 +142,7 @@ def paired_budgets(specs: dict, steps: Steps, dist) -> dict:
         for step in range(steps.warmup + steps.timed):
             batches = _stack.make_batches(size, step)
             for label, (model, _) in built.items():
-                seconds, peak, step_losses = _timed_step(model, opts[label], recipe, batches)
+                seconds, peak, step_losses = _timed_step(model, opts[label], recipes[label], batches)
                 if step >= steps.warmup:
                     times[label].append(seconds)
                     peaks[label].append(peak)

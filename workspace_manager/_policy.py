@@ -388,16 +388,16 @@ class KeepForBackwardWorkspacePolicy(FSDP2WorkspacePolicy):
     which reads its columnwise data (rowwise data with
     ``backward_override="dequantized"``) instead of quantizing the weight
     FSDP2 gathers again; the binding keeps only the data backward reads
-    (D11). Frees:
-    the saved copy with the autograd graph, after this layer's backward.
-    Trade-off: one columnwise copy per weight (1 byte per parameter under
-    FP8) held from forward to backward buys one quantization per weight per
-    step. Only for quantizers that requantize exactly (current and block
-    scaling): with delayed scaling the kept copy would carry the forward's
-    scale where stock TE's rebuild uses the scale of backward time, changing
-    dgrad, so those calls are planned as :class:`FSDP2WorkspacePolicy` plans
-    them. Quantized parameters, microbatch caches and releases are planned
-    as FSDP2WorkspacePolicy plans them.
+    (D11). Frees: the saved copy with the autograd graph, after this
+    layer's backward. Trade-off: one columnwise copy per weight (1 byte per
+    parameter under FP8) held from forward to backward buys one
+    quantization per weight per step. Only for quantizers that requantize
+    exactly (current scaling, block scaling, MXFP8): with delayed scaling
+    the kept copy would carry the forward's scale where stock TE's rebuild
+    uses the scale of backward time, changing dgrad, so those calls are
+    planned as :class:`FSDP2WorkspacePolicy` plans them. Quantized
+    parameters, microbatch caches and releases are planned as
+    FSDP2WorkspacePolicy plans them.
     """
 
     label: ClassVar[str] = "keep_for_backward"
