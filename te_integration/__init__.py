@@ -25,6 +25,7 @@ from ._state import Levers, ModuleWorkspaceState
 from ._foreign import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
+from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 
 __all__ = [
     "Linear",
@@ -38,6 +39,10 @@ __all__ = [
     "ModuleWorkspaceState",
     "Levers",
     "release_step_caches",
+    "apply_workspace_budget",
+    "WorkspaceBudget",
+    "BudgetEntry",
+    "BudgetChoice",
     "workspace_report",
     "record_workspaces",
     "WorkspaceRecording",

@@ -46,6 +46,7 @@ from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
 from ._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
+    KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -83,6 +84,7 @@ __all__ = [
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "LeanWorkspacePolicy",
+    "KeepForBackwardWorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
     "select_policy",

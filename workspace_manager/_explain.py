@@ -69,6 +69,7 @@ def _policy_choices() -> dict[str, object]:
     from ._policy import (
         DistributedWeightWorkspacePolicy,
         FSDP2WorkspacePolicy,
+        KeepForBackwardWorkspacePolicy,
         LeanWorkspacePolicy,
         RecomputeWorkspacePolicy,
         WorkspacePolicy,
@@ -81,6 +82,7 @@ def _policy_choices() -> dict[str, object]:
         "fsdp2_recompute": RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
         "distributed_weight": DistributedWeightWorkspacePolicy(),
         "lean": LeanWorkspacePolicy(),
+        "keep_for_backward": KeepForBackwardWorkspacePolicy(),
     }
 
 

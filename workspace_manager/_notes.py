@@ -33,6 +33,9 @@ def plan_notes(
                 "this pass quantizes with the first pass's scale, backward with its own: the rebuild "
                 "is kept so that dgrad sees TE's bytes"
             )
+    elif source is BackwardSource.SAVED_WORKSPACE and _kept_under_fsdp2(ctx, cache):
+        notes.append("forward's copy is kept for this layer's backward, which quantizes nothing: "
+                     "memory from forward to backward for one quantization less")
     if columnwise is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
         notes.append(
             f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
@@ -49,6 +52,13 @@ def plan_notes(
     if keeps is Usage.ROWWISE:
         notes.append("the sharded parameter keeps rowwise data only: its all-gather sends no more")
     return tuple(n for n in notes if n)
+
+
+def _kept_under_fsdp2(ctx: WorkspaceContext, cache: CacheAction) -> bool:
+    """A fresh copy of a gathered weight saved for backward, outside a
+    recompute pass (which hands its copy to backward anyway): the choice of
+    KeepForBackwardWorkspacePolicy, where FSDP2's default rebuilds."""
+    return ctx.sharding.is_fsdp2 and cache is CacheAction.BYPASS and ctx.recompute is RecomputePass.NONE
 
 
 def _cache_note(ctx: WorkspaceContext, cache: CacheAction) -> str:

@@ -55,6 +55,17 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
     F_i: quantize row of the gathered weight ─► freed (nothing saved)
     B_i: gather again ─► quantize col ─► dgrad ─► freed
 
+  LeanWorkspacePolicy (an option for whole weights; quantizers that
+  requantize exactly; other calls as WorkspacePolicy)
+    F_i: quantize row ─► GEMM ─► freed at once (nothing saved, no cache)
+    B_i: quantize col (REQUANTIZE) ─► dgrad ─► freed
+
+  KeepForBackwardWorkspacePolicy (an option under FSDP2, pinned per layer;
+  quantizers that requantize exactly; other calls as FSDP2WorkspacePolicy)
+    F_i: gather W ─► quantize row+col ─► GEMM ─► row freed, col saved
+    B_i: FSDP2 gathers W as ever ─► dgrad reads the saved col, nothing is
+    quantized ─► freed with the autograd graph
+
 Bindings cite this note by its title where they act on a plan.
 
 Which policy plans a call (``select_policy``, ``resolve_policy``) and the
@@ -81,6 +92,7 @@ from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
 
 __all__ = [
     "LeanWorkspacePolicy",
+    "KeepForBackwardWorkspacePolicy",
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "RecomputeWorkspacePolicy",
@@ -361,6 +373,47 @@ class LeanWorkspacePolicy(WorkspacePolicy):
         source = super().backward_source(ctx, cache)
         if self._lean(ctx) and source is BackwardSource.SAVED_WORKSPACE:
             return BackwardSource.REQUANTIZE
+        return source
+
+
+@dataclass(frozen=True)
+class KeepForBackwardWorkspacePolicy(FSDP2WorkspacePolicy):
+    """For weights sharded by FSDP2 when time is scarcer than memory: an
+    option, never selected by default. Pin it on the layers whose backward
+    runs first (the last ones); ``te_integration.apply_workspace_budget``
+    does so within a byte budget.
+
+    Keeps alive: forward quantizes the gathered high-precision weight with
+    rowwise and columnwise data and saves it for this layer's backward,
+    which reads its columnwise data (rowwise data with
+    ``backward_override="dequantized"``) instead of quantizing the weight
+    FSDP2 gathers again; the binding keeps only the data backward reads
+    (D11). Frees: the saved copy with the autograd graph, after this
+    layer's backward. Trade-off: one columnwise copy per weight (1 byte per
+    parameter under FP8) held from forward to backward buys one
+    quantization per weight per step. Only for quantizers that requantize
+    exactly (current scaling, block scaling, MXFP8): with delayed scaling
+    the kept copy would carry the forward's scale where stock TE's rebuild
+    uses the scale of backward time, changing dgrad, so those calls are
+    planned as :class:`FSDP2WorkspacePolicy` plans them. Quantized
+    parameters, microbatch caches and releases are planned as
+    FSDP2WorkspacePolicy plans them.
+    """
+
+    label: ClassVar[str] = "keep_for_backward"
+
+    def _keeps(self, ctx: WorkspaceContext) -> bool:
+        return not ctx.is_quantized_param and ctx.capabilities.requantization_safe
+
+    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
+        if self._keeps(ctx) and ctx.quantized_dgrad:
+            return Usage.BOTH  # the columnwise data dgrad will read, built once
+        return super().forward_usage(ctx, cache)
+
+    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
+        source = super().backward_source(ctx, cache)
+        if self._keeps(ctx) and source is BackwardSource.REQUANTIZE:
+            return BackwardSource.SAVED_WORKSPACE
         return source
 
 

@@ -14,7 +14,7 @@ Needs nothing beyond the package (no Hypothesis).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .._context import (
     valid_contexts,
@@ -31,11 +31,12 @@ from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usag
 from .._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
+    KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
-from .._selection import select_policy
+from .._selection import resolve_policy, select_policy
 
 __all__ = [
     "InvariantViolation",
@@ -65,6 +66,7 @@ __all__ = [
     "unsafe_requantization_is_noted",
     "select_policy_covers_every_valid_context",
     "a_policy_refuses_exactly_the_contexts_it_does_not_cover",
+    "check_policy",
 ]
 
 
@@ -76,7 +78,7 @@ PlanInvariant = Callable[[WorkspacePolicy, WorkspaceContext, WorkspacePlan], Non
 ContextInvariant = Callable[[WorkspaceContext], None]
 
 _BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(), DistributedWeightWorkspacePolicy(),
-                                      LeanWorkspacePolicy())
+                                      LeanWorkspacePolicy(), KeepForBackwardWorkspacePolicy())
 #: Every policy the core ships, recompute wrappers included.
 SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(RecomputeWorkspacePolicy(inner=p) for p in _BASE)
 
@@ -111,13 +113,23 @@ def fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(
     """TE#2681: a layer's quantized copy of a high-precision weight must not
     wait for backward. (A recompute pass feeds the backward that follows at
     once; a non-reentrant first pass saves what checkpointing drops and the
-    recompute pass rebuilds.)"""
+    recompute pass rebuilds.) The one exception is asked for: a
+    KeepForBackwardWorkspacePolicy pinned on the layer keeps the copy of a
+    quantizer that requantizes exactly, where the user's budget pays for it."""
     if (
         ctx.sharding is Sharding.FSDP2_RESHARD
         and ctx.weight is WeightSource.HIGH_PRECISION
         and (ctx.recompute is RecomputePass.NONE or not ctx.grad_enabled)
     ):
+        if _keeps_for_backward(policy) and ctx.capabilities.requantization_safe:
+            return
         _require(not plan.saves_quantized, f"FSDP2 resharding saves backward_source={plan.backward_source.value}")
+
+
+def _keeps_for_backward(policy: WorkspacePolicy) -> bool:
+    """The policy (or, for a recompute wrapper, its inner one) keeps forward's copy under FSDP2 on purpose."""
+    inner = policy.inner if isinstance(policy, RecomputeWorkspacePolicy) else policy
+    return isinstance(inner, KeepForBackwardWorkspacePolicy)
 
 
 def never_derives_what_the_format_cannot_derive(
@@ -336,3 +348,32 @@ CONTEXT_INVARIANTS: tuple[ContextInvariant, ...] = (
     select_policy_covers_every_valid_context,
     a_policy_refuses_exactly_the_contexts_it_does_not_cover,
 )
+
+
+def check_policy(
+    policy: WorkspacePolicy, capabilities: QuantizerCapabilities | Iterable[QuantizerCapabilities]
+) -> int:
+    """Run every plan invariant on every plan ``policy`` makes: for each
+    valid context with ``capabilities`` (one profile or several) whose
+    sharding the policy plans, recompute passes included (planned through
+    :func:`resolve_policy`, as a binding plans a pinned policy). Returns how
+    many plans held. Raises :class:`InvariantViolation` naming the
+    invariant, the policy and the context of the first plan that breaks
+    one; errors from planning itself (``InvalidPlanError``,
+    ``PolicyMismatchError``) pass through. For the policies you write."""
+    profiles = [capabilities] if isinstance(capabilities, QuantizerCapabilities) else list(capabilities)
+    checked = 0
+    for caps in profiles:
+        for ctx in all_contexts(caps):
+            if ctx.sharding not in policy.shardings:
+                continue
+            planner = resolve_policy(ctx, policy)
+            plan = planner.plan(ctx)
+            for invariant in PLAN_INVARIANTS:
+                try:
+                    invariant(planner, ctx, plan)
+                except InvariantViolation as err:
+                    raise InvariantViolation(f"{invariant.__name__}: {planner!r} planned {plan.summary()} for "
+                                             f"{ctx}: {err}") from None
+            checked += 1
+    return checked
