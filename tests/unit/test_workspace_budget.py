@@ -12,7 +12,6 @@ import pytest
 import torch
 from _binding_standin import load_binding
 from _fake_te import TELinear, compat
-from test_binding_sharding_memo import gloo  # noqa: F401  (the fixture)
 
 from workspace_manager import (
     BackwardSource,
