@@ -150,9 +150,11 @@ def test_an_exception_in_tes_backward_releases_as_planned_and_leaves_nothing(rec
     start, with its clean step's results alive in both. A first, discarded
     run lets TE allocate what it keeps for the process on first use (cuBLAS
     workspaces, say), which would otherwise count against whichever run came
-    first. A difference can then come only from what the fault left behind:
-    an unreleased cache entry or columnwise data (``after_step``), or
-    anything held beyond the module's deletion (``leftover``)."""
+    first. A difference can then come only from what the fault left alive
+    that the clean step neither replaced nor released, such as a tensor of
+    the failed step kept by the binding (``after_step``), or from anything
+    held beyond the module's deletion (``leftover``). The release itself is
+    checked right after the fault, before the clean step (``report``)."""
     import torch
     from _backward_faults import WEIGHT_KEYS, Setup, run
 
