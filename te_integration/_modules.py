@@ -49,15 +49,23 @@ class _ManagedModule:
     _wm_state: ModuleWorkspaceState | None = None
     #: The token of this module's mark in ACTIVE while its TE forward runs.
     _wm_token: Any = None
+    #: Whether this module's first managed call has run ``install`` (its
+    #: state may exist before: TE's constructor calls ``reset_parameters``).
+    _wm_installed: bool = False
 
     def prepare_forward(self, inp: Any, *args: Any, **kwargs: Any) -> Any:
-        inp = super().prepare_forward(inp, *args, **kwargs)
         # Inside a torch.compile trace TE's compiled path runs (Linear); it
         # stays stock. Elsewhere the module is active until end_forward.
-        if not torch.compiler.is_dynamo_compiling():
-            if self._wm_state is None or not _seams.INSTALLED:
-                install()  # at each drop-in's first call: finds foreign patches made since
-                state_of(self)
+        compiling = torch.compiler.is_dynamo_compiling()
+        if not compiling and (not self._wm_installed or not _seams.INSTALLED):
+            # At each drop-in's first call, finding foreign patches made since;
+            # before TE's prepare_forward, whose NVTX range and recompute
+            # metadata only end_forward undoes, so a refusal leaves them alone.
+            install()
+            state_of(self)
+            self.__dict__["_wm_installed"] = True
+        inp = super().prepare_forward(inp, *args, **kwargs)
+        if not compiling:
             self.__dict__["_wm_token"] = ACTIVE.set(self)
         return inp
 

@@ -102,3 +102,75 @@ def test_an_exception_inside_a_drop_in_leaves_everything_as_it_was(recipe, monke
 
     for a, b in zip(_step(stock, recipe, seed=11), _step(managed, recipe, seed=11)):
         assert torch.equal(a, b)
+
+
+# -- an exception inside TE's own backward, for each module kind -------------------
+KINDS = ["Linear", "LayerNormLinear", "LayerNormMLP"]
+
+
+def _expected_release(quantized: bool, sharding: str):
+    """What every weight's plan releases after backward in each setup, so
+    that each case tests a release that is really planned (or none)."""
+    from workspace_manager import Release
+
+    if sharding == "whole":
+        return Release.NOTHING  # whole weights keep their cache from step to step
+    return Release.DERIVED_COLUMNWISE if quantized else Release.CACHED_WORKSPACE
+
+
+def _assert_released_as_planned(report) -> None:
+    from workspace_manager import Release
+
+    released = {key for key, release in report.releases.items() if Release.CACHED_WORKSPACE in release}
+    assert report.entries_unchanged, "the failed backward replaced a cache entry"
+    assert released <= report.cached_before, "the microbatches did not fill the cache the plan releases"
+    # The failed backward was the step's first: only it can have marked entries.
+    assert report.dropped == len(released), (report.dropped, released)
+    assert report.cached_after == report.cached_before - released
+    for key, release in report.releases.items():
+        if Release.DERIVED_COLUMNWISE in release:
+            assert report.columnwise_before[key], f"{key} held no columnwise data before backward"
+            assert not report.columnwise_after[key], f"{key}'s derived columnwise data outlived the failed backward"
+        else:
+            assert report.columnwise_after[key] == report.columnwise_before[key], key
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["first_gemm", "second_gemm"])
+@pytest.mark.parametrize("sharding", ["whole", "fsdp2_keep"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16_params", "quantized_init"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exception_in_tes_backward_releases_as_planned_and_leaves_nothing(recipe, kind, quantized, sharding, at):
+    """GEMM ``at`` of TE's backward raises, after two microbatches filled and
+    read the cache. The plan's release still runs; the next step is bit-exact
+    with a twin that ran the same steps without the fault, and allocates as
+    much.
+
+    Fair memory figures: each run is measured alone (the one before it
+    deleted and collected) and counts only what it allocated above its own
+    start, with its clean step's results alive in both. A first, discarded
+    run lets TE allocate what it keeps for the process on first use (cuBLAS
+    workspaces, say), which would otherwise count against whichever run came
+    first. A difference can then come only from what the fault left alive
+    that the clean step neither replaced nor released, such as a tensor of
+    the failed step kept by the binding (``after_step``), or from anything
+    held beyond the module's deletion (``leftover``). The release itself is
+    checked right after the fault, before the clean step (``report``)."""
+    import torch
+    from _backward_faults import WEIGHT_KEYS, Setup, run
+
+    from workspace_manager import Sharding
+
+    setup = Setup(kind, quantized, Sharding.FSDP2_KEEP if sharding == "fsdp2_keep" else Sharding.NONE)
+    run(setup, recipe, None)
+    faulted, twin = run(setup, recipe, at), run(setup, recipe, None)
+    report = faulted.report
+    assert report.raised and not twin.report.raised
+    assert report.releases == dict.fromkeys(WEIGHT_KEYS[kind], _expected_release(quantized, sharding))
+    _assert_released_as_planned(report)
+    assert (report.cached_after, report.columnwise_after) == (twin.report.cached_after, twin.report.columnwise_after)
+    assert report.active_after is None and not report.fp8_enabled_after
+    assert len(faulted.results) == len(twin.results)
+    for i, (a, b) in enumerate(zip(faulted.results, twin.results)):
+        assert (a is None and b is None) or torch.equal(a, b), f"result {i} of the next step differs from the twin's"
+    assert faulted.after_step == twin.after_step, (faulted.after_step, twin.after_step)
+    assert faulted.leftover == twin.leftover, (faulted.leftover, twin.leftover)

@@ -1,7 +1,8 @@
-"""FSDP2 on two GPUs: the drop-in TransformerLayer stack against stock TE.
+"""FSDP2 on one or two GPUs: the drop-in TransformerLayer stack against stock TE.
 
-One torchrun launch (``_fsdp2_stack.py``) measures every configuration; the
-tests below read its report. Needs two GPUs; skips with the reason otherwise.
+One torchrun launch (``_fsdp2_stack.py``, at world size = GPUs present, 1 or
+2) measures every configuration; the tests below read its report. Skips
+without a GPU.
 """
 
 from __future__ import annotations

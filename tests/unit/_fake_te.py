@@ -7,13 +7,17 @@ the module file's global (so the installed seam is what runs), then
 the file's global ``quantize_weight``; the module caches the workspace TE
 returns under ``"weight"`` when a microbatch position is given. The
 "quantizer" rounds to a coarse grid, so a wrong workspace gives wrong
-numbers. :func:`load_full_binding` loads ``_modules`` and its imports
-against it.
+numbers. :func:`checkpoint` stands for ``te.checkpoint``: it sets the two
+recompute flags TE's modules read, around its first pass and around the
+recompute pass. :func:`load_full_binding` loads ``_modules`` and its
+imports against it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -80,14 +84,29 @@ def quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_works
     return ws, (ws if cache else None)
 
 
+class InjectedFault(RuntimeError):
+    """Raised where :attr:`LinearFunction.fault` says."""
+
+
+def _maybe_fail(phase: str, weight: torch.Tensor) -> None:
+    fault = LinearFunction.fault
+    if fault is not None and fault(phase, weight):
+        raise InjectedFault(f"injected failure in the {phase} of a Linear")
+
+
 def _linear_forward(ctx, weight, inp, bias, fwd_args):
+    _maybe_fail("forward", weight)
     file = _FILES["linear"]
     ws, new = file.quantize_weight(tensor=weight, quantizer=fwd_args.weight_quantizer,
                                    workspace=fwd_args.weight_workspace, cache=fwd_args.cache_weight)
     if ctx is not None:
         ctx.backward_objects = SimpleNamespace(is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=fwd_args.weight_quantizer)
         ctx.saved_ws = None if fwd_args.is_fsdp2 else ws
-        ctx.saved_weight = weight
+        # Saved through autograd, as TE saves its tensors, so that a
+        # non-reentrant checkpoint recomputes the forward when backward reads
+        # it (and hands back a copy: the parameter itself is kept for faults).
+        ctx.save_for_backward(weight)
+        ctx.parameter = weight
     fwd_args.seen_workspace = ws
     return inp @ ws.data.t(), new
 
@@ -97,6 +116,9 @@ class LinearFunction(torch.autograd.Function):
     fail_backward = False
     #: Workspaces rebuilt in backward, for tests to inspect.
     rebuilt: list = []
+    #: Set by a test: ``fault(phase, weight)`` ("forward" or "backward", the
+    #: call's weight) returns whether that call raises :class:`InjectedFault`.
+    fault: Callable[[str, torch.Tensor], bool] | None = None
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
@@ -104,11 +126,13 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
+        (weight,) = ctx.saved_tensors
+        _maybe_fail("backward", ctx.parameter)
         ws = ctx.saved_ws
         if ws is None:  # nothing saved (TE's is_fsdp2 lever): rebuild from the weight, as TE does
             quantizer = ctx.backward_objects.weight_quantizer
             quantizer.set_usage(rowwise=True, columnwise=True)
-            ws = quantizer(ctx.saved_weight)
+            ws = quantizer(weight)
             LinearFunction.rebuilt.append(ws)
         if LinearFunction.fail_backward:
             raise RuntimeError("injected failure in backward")
@@ -175,6 +199,54 @@ class TELinear(torch.nn.Module):
         return out
 
 
+#: TE's two recompute flags (``distributed.py``): inside a checkpoint
+#: region, and in its recompute pass.
+_RECOMPUTE = {"enabled": False, "phase": False}
+
+
+def in_recompute_phase() -> bool:
+    return _RECOMPUTE["phase"]
+
+
+@contextlib.contextmanager
+def _recompute_flags(phase: bool) -> Iterator[None]:
+    _RECOMPUTE.update(enabled=True, phase=phase)
+    try:
+        yield
+    finally:  # TE's context clears both flags on exit, also after an exception
+        _RECOMPUTE.update(enabled=False, phase=False)
+
+
+class _ReentrantCheckpoint(torch.autograd.Function):
+    """TE's reentrant checkpoint: a first pass without grad, and the
+    recompute pass with grad inside backward, each under its flags."""
+
+    @staticmethod
+    def forward(ctx, function, *args):
+        ctx.function = function
+        ctx.save_for_backward(*args)
+        with _recompute_flags(phase=False):
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad(), _recompute_flags(phase=True):
+            outputs = ctx.function(*inputs)
+        torch.autograd.backward(outputs, grads)
+        return (None, *(t.grad for t in inputs))
+
+
+def checkpoint(function: Callable, *args: torch.Tensor, use_reentrant: bool = True) -> torch.Tensor:
+    """Stands for ``te.checkpoint``: reentrant as TE's own Function, or
+    non-reentrant through torch's checkpoint with TE's flag contexts."""
+    if use_reentrant:
+        return _ReentrantCheckpoint.apply(function, *args)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False,
+        context_fn=lambda: (_recompute_flags(phase=False), _recompute_flags(phase=True)))
+
+
 _FILES: dict[str, types.ModuleType] = {}
 
 
@@ -191,6 +263,16 @@ def _te_named(obj: Any, module: str, qualname: str) -> Any:
     """Give ``obj`` the home TE gives the real one (the install check reads it)."""
     obj.__module__, obj.__qualname__ = module, qualname
     return obj
+
+
+class _RecomputeRegion:
+    """TE's ``distributed`` module as the hot path reads it: its
+    ``_IN_ACTIVATION_RECOMPUTE_REGION`` global, here following the stand-in
+    checkpoint's flags."""
+
+    @property
+    def _IN_ACTIVATION_RECOMPUTE_REGION(self) -> bool:
+        return _RECOMPUTE["enabled"]
 
 
 def compat() -> dict[str, Any]:
@@ -215,11 +297,11 @@ def compat() -> dict[str, Any]:
         "mha_module": types.ModuleType("fake_mha"), "transformer_module": types.ModuleType("fake_transformer"),
         "quantize_weight": quantize_weight,
         "is_weight_workspace_valid": lambda ws, q: isinstance(ws, Workspace),
-        "is_fp8_activation_recompute_enabled": lambda: False,
-        "in_fp8_activation_recompute_phase": lambda: False,
+        "is_fp8_activation_recompute_enabled": lambda: _RECOMPUTE["enabled"],
+        "in_fp8_activation_recompute_phase": in_recompute_phase,
         "is_graph_capturing": lambda: False,
         "graph_flags": SimpleNamespace(_IS_GRAPH_CAPTURING=False),
-        "recompute_flags": SimpleNamespace(_IN_ACTIVATION_RECOMPUTE_REGION=False),
+        "recompute_flags": _RecomputeRegion(),
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
         "FP8GlobalStateManager": SimpleNamespace(get_fp8_recipe=lambda: None),

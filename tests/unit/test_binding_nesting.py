@@ -9,19 +9,22 @@ their public ``forward`` only.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from _fake_te import LinearFunction, TELinear, load_full_binding
+from _fake_te import InjectedFault, LinearFunction, TELinear, checkpoint, in_recompute_phase, load_full_binding
 
 MICROBATCHES = (True, False, False)
 
 
 class LoRA(TELinear):
-    """A user subclass whose forward adds a second TE Linear (the adapter)."""
+    """A user subclass whose forward adds a second TE Linear (the adapter;
+    another LoRA nests one level more)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, adapter: TELinear | None = None) -> None:
         super().__init__(8, 8, seed=seed)
-        self.adapter = TELinear(8, 8, seed=seed + 100)
+        self.adapter = adapter if adapter is not None else TELinear(8, 8, seed=seed + 100)
 
     def forward(self, inp, is_first_microbatch=None):
         return super().forward(inp, is_first_microbatch) + self.adapter(inp, is_first_microbatch)
@@ -45,14 +48,22 @@ def ti(monkeypatch):
     return load_full_binding(monkeypatch)
 
 
-def _train(model, steps: int = 3) -> list[torch.Tensor]:
+def _call(model, x, scenario: str, first: bool):
+    """A forward: plainly with its microbatch position, or under the
+    stand-in te.checkpoint (without positions)."""
+    if scenario.startswith("checkpoint"):
+        return checkpoint(model, x, use_reentrant=scenario == "checkpoint")
+    return model(x, is_first_microbatch=first)
+
+
+def _train(model, steps: int = 3, scenario: str = "plain", first_step: int = 0) -> list[torch.Tensor]:
     outs = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         for i, first in enumerate(MICROBATCHES):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i), requires_grad=True)
-            out = model(x, is_first_microbatch=first)
+            out = _call(model, x, scenario, first)
             out.sum().backward()
-            outs.append(out.detach())
+            outs += [out.detach(), x.grad]
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.01 * torch.ones_like(p)
@@ -159,3 +170,85 @@ def test_a_backward_that_raises_still_clears_the_call(ti):
     assert ti.seams.ACTIVE.get() is None
     managed(x).sum().backward()  # the next step runs
     assert x.grad is not None
+
+
+def test_a_backward_that_raises_still_releases_the_planned_cache(ti, monkeypatch):
+    """FSDP2_KEEP with microbatches plans the cache's release after backward;
+    a backward that raises must still mark it (GPU: tests/gpu/test_faults.py)."""
+    from workspace_manager import Release, Sharding
+
+    keep = Sharding.FSDP2_KEEP
+    probe = SimpleNamespace(is_fsdp2=False, read=lambda: keep, current=lambda: keep, stale=lambda: False)
+    managed = ti.modules.convert_model(TELinear(8, 8, seed=8))
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(managed._wm_kind, probe=probe)
+    x = torch.randn(4, 8, requires_grad=True)
+    _, out = managed(x, is_first_microbatch=True), managed(x, is_first_microbatch=False)
+    cached = managed._fp8_workspaces["weight"]
+    assert Release.CACHED_WORKSPACE in ti.modules.last_plans(managed)["weight"][1].release
+    monkeypatch.setattr(LinearFunction, "fault", lambda where, weight: where == "backward")
+    with pytest.raises(InjectedFault):
+        out.sum().backward()  # the step's first backward: nothing was marked before it
+    assert managed._fp8_workspaces == {"weight": cached}  # dropped at the step's end, not before
+    assert ti.steps.release_step_caches(managed) == 1 and managed._fp8_workspaces == {}
+
+# -- faults in nested modules (the GPU version: tests/gpu/test_nesting.py) ----------
+#: scenario -> phases a fault is injected in: the forward (a checkpoint's
+#: first pass), the forward a checkpoint replays in backward, the backward.
+FAULT_PHASES = {
+    "plain": ("forward", "backward"),
+    "two_levels": ("forward", "backward"),
+    "checkpoint": ("forward", "recompute", "backward"),
+    "checkpoint_nonreentrant": ("forward", "recompute", "backward"),
+}
+FAULT_CASES = [(s, t, p) for s, phases in FAULT_PHASES.items() for t in ("stock", "drop_in") for p in phases]
+
+
+def _nested(ti, scenario: str, managed: bool, target: str):
+    """(model, the module the fault hits): a LoRA, or a LoRA whose adapter is
+    a LoRA; converted except the innermost adapter. ``target``: that stock
+    adapter, or the deepest drop-in (the outer LoRA, or the middle one)."""
+    levels = 2 if scenario == "two_levels" else 1
+    model = LoRA(seed=1, adapter=LoRA(seed=2)) if levels == 2 else LoRA(seed=1)
+    innermost = ".".join(["adapter"] * levels)
+    if managed:
+        ti.modules.convert_model(model, module_filter=lambda mod, fqn: fqn != innermost)
+    return model, model.get_submodule(innermost if target == "stock" else ".".join(["adapter"] * (levels - 1)))
+
+
+def _fail_in(phase: str, weights: tuple) -> object:
+    def fault(where: str, weight: torch.Tensor) -> bool:
+        if where == "forward" and in_recompute_phase():
+            where = "recompute"
+        return where == phase and any(weight is w for w in weights)
+
+    return fault
+
+
+@pytest.mark.parametrize("scenario,target,phase", FAULT_CASES)
+def test_a_fault_in_a_nested_module_leaves_nothing_active(ti, monkeypatch, scenario, target, phase):
+    """A clean step, a step whose ``target`` raises in ``phase`` (the stock
+    twin fails the same way), two clean steps: nothing active after the
+    fault, the drop-ins' per-call state empty, the same numbers as stock,
+    and every cache holding its own module's weight."""
+    (stock, stock_target), (managed, managed_target) = (_nested(ti, scenario, m, target) for m in (False, True))
+    expected, got = _train(stock, 1, scenario), _train(managed, 1, scenario)
+    monkeypatch.setattr(LinearFunction, "fault", _fail_in(phase, (stock_target.weight, managed_target.weight)))
+    for model in (stock, managed):
+        with pytest.raises(InjectedFault, match="injected failure"):
+            _call(model, torch.randn(4, 8, requires_grad=True), scenario, True).sum().backward()
+        assert ti.seams.ACTIVE.get() is None
+        for p in model.parameters():
+            p.grad = None  # the failed step's partial gradients are discarded
+    monkeypatch.setattr(LinearFunction, "fault", None)
+    for module in managed.modules():
+        if isinstance(module, ti.modules._ManagedModule):
+            state = ti.modules.workspace_state(module)
+            assert (state.weights, state.pending, module._wm_token) == ((), None, None)
+    expected += _train(stock, 2, scenario, first_step=1)
+    got += _train(managed, 2, scenario, first_step=1)
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"tensor {i} differs from stock (the fault came after step 1)"
+    for module in managed.modules():
+        for ws in module._fp8_workspaces.values():
+            assert ws.source is module.weight

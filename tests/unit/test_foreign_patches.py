@@ -139,3 +139,29 @@ def test_a_class_patched_at_import_and_removed_later_is_still_refused(monkeypatc
     with pytest.raises(binding["_foreign"].ForeignPatchError, match="when te_integration was imported"):
         seams.install()
     assert te.linear._Linear is original and te.lnl.quantize_weight is te.base.quantize_weight
+
+
+def test_a_patch_over_installed_seams_is_refused_at_a_drop_ins_first_forward(monkeypatch):
+    """Seams installed by one drop-in's call; then another library patches a
+    seamed name. A drop-in whose state already exists (TE's constructor makes
+    it, through ``reset_parameters``) still checks at its first forward."""
+    import torch
+    from _fake_te import TELinear, load_full_binding
+
+    ti = load_full_binding(monkeypatch)
+    ti.modules.convert_model(TELinear(8, 8, seed=1))(torch.randn(4, 8))  # installs the seams
+    second = ti.modules.convert_model(TELinear(8, 8, seed=2))
+    ti.modules.workspace_state(second)
+    linear = ti.files["linear"]
+    seam = linear.quantize_weight
+
+    def patched(**kwargs):
+        return seam(**kwargs)
+
+    patched.__module__ = "otherlib.patches"
+    monkeypatch.setattr(linear, "quantize_weight", patched)
+    for _ in range(2):  # refused at every call until the patch goes
+        with pytest.raises(RuntimeError, match="linear.quantize_weight is otherlib.patches") as info:
+            second(torch.randn(4, 8))
+        assert type(info.value).__name__ == "ForeignPatchError"
+        assert linear.quantize_weight is patched and ti.seams.ACTIVE.get() is None
