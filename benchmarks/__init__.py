@@ -18,6 +18,7 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``saved_workspace`` | 1 GPU, no FSDP | memory held from forward to backward and peak, stock vs drop-in (D11), bit-exact check |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
+| ``te_suite`` | 1-2 GPUs | TE's own module tests, stock and with the drop-ins swapped in: per-test outcomes compared |
 
 The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
 pieces (``_dist``, ``_stack``) import TE, CUDA and ``te_integration`` only
