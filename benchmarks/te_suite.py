@@ -399,7 +399,8 @@ def _run_variant(plan: Plan, index: int, entry: Entry, variant: Variant, copy: P
     if timeout is None:
         return _not_run(entry, variant, "--max-minutes spent before it could start")
     run_dir = plan.out / "runs" / _slug(index, entry) / variant.value
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # JUnit files of an earlier run must not be read as this one's
+    run_dir.mkdir(parents=True)
     cmd = pytest_command(entry, variant, run_dir, copy, plan.dropins, ranks)
     rc, seconds, timed_out = run_process(cmd, copy, run_dir / "pytest.log", timeout)
     return collect_run(entry, variant, run_dir, rc, seconds, timed_out,

@@ -427,6 +427,9 @@ def _harness(standin, out: Path, *args: str) -> tuple[subprocess.CompletedProces
 
 
 def test_a_run_finds_the_test_whose_outcome_the_drop_in_changes(standin, tmp_path):
+    stale = tmp_path / "out" / "runs" / "00-test_alpha" / "dropin"  # an earlier run's rank-1 file: not read
+    stale.mkdir(parents=True)
+    (stale / "junit.rank1.xml").write_text('<testsuite><testcase classname="old" name="t"><failure/></testcase></testsuite>')
     result, data = _harness(standin, tmp_path / "out", "--files", "test_alpha.py", "--dropins", "fake_dropins")
     assert result.returncode == 1, result.stdout + result.stderr
     assert data["verdict"] == "DIFFERENT"
