@@ -255,9 +255,9 @@ _MEANING = (
     "on the same machine, and ended with the same outcome (passed, failed, error, skipped, xfailed or "
     "xpassed); no test ran under one variant only; and the drop-in run's record shows TE's `Linear`, "
     "`LayerNormLinear` and `LayerNormMLP` rebound to the drop-ins before any test module was imported, "
-    "with every collected test module holding the drop-ins. A failure that stock shares is not a "
+    "and no collected test module holding a stock class. A failure that stock shares is not a "
     "difference: it is TE's own result on this machine.")
-_OUTCOME_COLUMNS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_OUTCOME_COLUMNS = tuple(o.value for o in Outcome)
 
 
 def _counts(results: Mapping[str, CaseResult]) -> str:
@@ -265,7 +265,7 @@ def _counts(results: Mapping[str, CaseResult]) -> str:
     return " / ".join(str(counts.get(name, 0)) for name in _OUTCOME_COLUMNS)
 
 
-def _status(run: Run) -> str:
+def _status_text(run: Run) -> str:
     text = run.status.value if run.status is not RunStatus.COMPLETED else f"{run.seconds:.0f} s"
     if run.status in (RunStatus.TIMED_OUT, RunStatus.CRASHED):
         text += f" after {run.seconds:.0f} s"
@@ -307,8 +307,8 @@ def _named(counts: Mapping[str, int]) -> str:
 
 
 def _runs_table(comparison: Comparison) -> list[str]:
-    rows = [(stock.group, f"`{stock.selection}`" if stock.selection else "all", _status(stock),
-             _counts(stock.results), _status(dropin), _counts(dropin.results),
+    rows = [(stock.group, f"`{stock.selection}`" if stock.selection else "all", _status_text(stock),
+             _counts(stock.results), _status_text(dropin), _counts(dropin.results),
              sum(1 for d in comparison.differences if d.group == stock.group))
             for stock, dropin in comparison.pairs]
     return _table(("group", "-k", "stock", "stock p/f/e/s/xf/xp", "drop-in", "drop-in p/f/e/s/xf/xp",
