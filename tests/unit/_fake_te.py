@@ -14,7 +14,7 @@ against it.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,23 +26,56 @@ class QuantizedTensorStorage:
     """Stands for TE's quantized storage base class."""
 
 
-@dataclass(eq=False)
 class Workspace(QuantizedTensorStorage):
-    """A quantized weight: rounded data, the weight it came from, usages."""
+    """A quantized weight laid out as TE 2.20's per-tensor FP8 storage on
+    Hopper: rowwise data ``_data``, columnwise data in a separate
+    ``_transpose`` (valid unless ``_transpose_invalid``), and a
+    ``_scale_inv`` both directions share. ``source`` is the weight it was
+    made from. The methods follow TE's ``Float8TensorStorage``."""
 
-    data: torch.Tensor
-    source: torch.Tensor
-    rowwise: bool = True
-    columnwise: bool = True
-    _quantizer: Any = None
-    refreshes: int = 0
+    def __init__(self, data, transpose, source, quantizer) -> None:
+        self._data, self._transpose = data, transpose
+        self._transpose_invalid = transpose is None
+        self._scale_inv = torch.ones(())
+        self.source, self._quantizer, self.refreshes = source, quantizer, 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data if self._data is not None else self._transpose.t()
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
     def get_usages(self) -> dict:
-        return {"rowwise": self.rowwise, "columnwise": self.columnwise}
+        return {"rowwise": self._data is not None,
+                "columnwise": self._transpose is not None and not self._transpose_invalid}
+
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None) -> None:
+        # TE: a transpose can be made from rowwise data; rowwise data cannot
+        # be made from a transpose; a usage set to False is dropped.
+        if columnwise_usage and not self.get_usages()["columnwise"]:
+            self._transpose, self._transpose_invalid = self._data.t().contiguous(), False
+        if columnwise_usage is False:
+            self._transpose, self._transpose_invalid = None, True
+        if rowwise_usage is False:
+            self._data = None
+
+    def prepare_for_saving(self):
+        tensors = [self._data, self._transpose, self._scale_inv]
+        self._data = self._transpose = self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        return tensors[3:]
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        return self.data.clone()
+
+
+def _round(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.round(tensor.detach() * 8) / 8
 
 
 # Named as TE's class so the registry's TE profiles describe it.
@@ -57,7 +90,21 @@ class Float8CurrentScalingQuantizer:
             self.columnwise_usage = columnwise
 
     def quantize(self, tensor: torch.Tensor) -> Workspace:
-        return Workspace(torch.round(tensor.detach() * 8) / 8, tensor, self.rowwise_usage, self.columnwise_usage, self)
+        data = _round(tensor)
+        return Workspace(data if self.rowwise_usage else None,
+                         data.t().contiguous() if self.columnwise_usage else None, tensor, self)
+
+    __call__ = quantize
+
+    def update_quantized(self, tensor: torch.Tensor, workspace: Workspace) -> None:
+        """Refresh ``workspace`` in place, in the usages it has (TE's in-place quantize)."""
+        data = _round(tensor)
+        if workspace._data is not None:
+            workspace._data.copy_(data)
+        if workspace.get_usages()["columnwise"]:
+            workspace._transpose.copy_(data.t())
+        workspace.source = tensor
+        workspace.refreshes += 1
 
 
 Float8CurrentScalingQuantizer.__module__ = "transformer_engine.pytorch.tensor.float8_tensor"
@@ -69,24 +116,111 @@ def quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_works
     and returned; else a new one is made, and returned twice if cached."""
     if workspace is not None:
         if update_workspace:
-            workspace.data = torch.round(tensor.detach() * 8) / 8
-            workspace.source = tensor
-            workspace.refreshes += 1
+            quantizer.update_quantized(tensor, workspace)
         return workspace, None
     ws = quantizer.quantize(tensor)
     return ws, (ws if cache else None)
 
 
+def general_gemm(a, b, layout: str = "TN", grad: bool = False, **kwargs) -> torch.Tensor:
+    """TE's GEMM, for the three layouts the Linear uses (fprop ``y = x w^T``,
+    dgrad ``dx = dy w``, wgrad ``dw = dy^T x``). A quantized operand is read
+    in the direction the layout needs, as cuBLAS reads it."""
+    if layout == "NT":
+        return b.t() @ a
+    if isinstance(a, Workspace):
+        usage = "rowwise" if layout == "TN" else "columnwise"
+        if not a.get_usages()[usage]:
+            raise RuntimeError(f"general_gemm: the {usage} data the {layout} GEMM reads is missing")
+        a = a._data if layout == "TN" else a._transpose.t()
+    return b @ a.t() if layout == "TN" else b @ a
+
+
+#: What ``te.checkpoint`` says about the call in flight (TE's two flags).
+RECOMPUTE = {"enabled": False, "phase": False}
+
+
+def prepare_for_saving(*tensors):
+    """TE's: storages are split into their tensors, the objects kept apart."""
+    flat, objects = [], []
+    for t in tensors:
+        if t is None or isinstance(t, torch.Tensor):
+            flat.append(t)
+            objects.append(None)
+        else:
+            parts, obj = t.prepare_for_saving()
+            flat.extend(parts)
+            objects.append(obj)
+    return flat, objects
+
+
+def restore_from_saved(objects, saved):
+    out = []
+    for obj in objects:
+        if obj is None:
+            out.append(saved[0])
+            saved = saved[1:]
+        else:
+            saved = obj.restore_from_saved(saved)
+            out.append(obj)
+    return out
+
+
+def clear_columnwise_cache(tensor) -> None:
+    tensor._transpose, tensor._transpose_invalid = None, True
+
+
 def _linear_forward(ctx, weight, inp, bias, fwd_args):
+    """TE 2.20's ``_linear_forward_impl`` and ``_Linear.forward``, weight steps only."""
     file = _FILES["linear"]
-    ws, new = file.quantize_weight(tensor=weight, quantizer=fwd_args.weight_quantizer,
-                                   workspace=fwd_args.weight_workspace, cache=fwd_args.cache_weight)
-    if ctx is not None:
-        ctx.backward_objects = SimpleNamespace(is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=fwd_args.weight_quantizer)
-        ctx.saved_ws = None if fwd_args.is_fsdp2 else ws
-        ctx.saved_weight = weight
-    fwd_args.seen_workspace = ws
-    return inp @ ws.data.t(), new
+    quantizer = fwd_args.weight_quantizer
+    if not isinstance(weight, QuantizedTensorStorage):
+        columnwise = fwd_args.is_grad_enabled and fwd_args.input_requires_grad and not fwd_args.is_fsdp2
+        if fwd_args.backward_override is not None:
+            columnwise = False
+        columnwise = columnwise or (RECOMPUTE["enabled"] and not RECOMPUTE["phase"])
+        quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    else:
+        quantizer = weight._quantizer
+    update = fwd_args.is_first_microbatch is None or fwd_args.is_first_microbatch
+    ws, new = file.quantize_weight(tensor=weight, quantizer=quantizer, workspace=fwd_args.weight_workspace,
+                                   update_workspace=update, cache=fwd_args.cache_weight)
+    ws.update_usage(rowwise_usage=True)
+    out = file.general_gemm(ws, inp)
+    if ctx is not None and fwd_args.is_grad_enabled:
+        wt_save = None if (fwd_args.is_fsdp2 and ws is not weight) else ws
+        tensors, objects = prepare_for_saving(inp, wt_save, weight if isinstance(weight, torch.Tensor) else None)
+        ctx.save_for_backward(*tensors)
+        ctx.tensor_objects = objects
+        ctx.saved_param = weight if not isinstance(weight, torch.Tensor) else None
+        ctx.backward_objects = SimpleNamespace(
+            is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=quantizer, backward_override=fwd_args.backward_override,
+            fp8=fwd_args.backward_override is None, requires_dgrad=fwd_args.input_requires_grad)
+    return out, new
+
+
+def _linear_dgrad(ctx, weight_fp8, saved_weight, grad_output):
+    """TE's dgrad steps: rebuild when nothing was saved, make sure of the
+    columnwise data, apply the override, GEMM, clear under FSDP2."""
+    bwd = ctx.backward_objects
+    file = _FILES["linear"]
+    if weight_fp8 is None:
+        if isinstance(saved_weight, QuantizedTensorStorage):
+            weight_fp8 = saved_weight
+        elif bwd.weight_quantizer is not None:
+            bwd.weight_quantizer.set_usage(rowwise=True, columnwise=True)
+            weight_fp8 = bwd.weight_quantizer(saved_weight)
+    if bwd.fp8 and bwd.weight_quantizer is not None and isinstance(weight_fp8, QuantizedTensorStorage):
+        weight_fp8.update_usage(columnwise_usage=True)
+    operand = weight_fp8
+    if bwd.backward_override == "dequantized":
+        operand = weight_fp8.dequantize() if isinstance(weight_fp8, QuantizedTensorStorage) else weight_fp8
+    elif bwd.backward_override == "high_precision":
+        operand = saved_weight.dequantize() if isinstance(saved_weight, QuantizedTensorStorage) else saved_weight
+    dgrad = file.general_gemm(operand, grad_output, layout="NN", grad=True)
+    if bwd.is_fsdp2 and isinstance(weight_fp8, QuantizedTensorStorage):
+        clear_columnwise_cache(weight_fp8)
+    return dgrad
 
 
 class LinearFunction(torch.autograd.Function):
@@ -99,12 +233,16 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
-        ws = ctx.saved_ws
-        if ws is None:  # nothing saved (TE's is_fsdp2 lever): rebuild from the weight, as TE does
-            ws = ctx.backward_objects.weight_quantizer.quantize(ctx.saved_weight)
+        inp, weight_fp8, saved_weight = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
+        saved_weight = saved_weight if ctx.saved_param is None else ctx.saved_param
+        ctx.tensor_objects = None
         if LinearFunction.fail_backward:
             raise RuntimeError("injected failure in backward")
-        return None, grad_output @ ws.data, None, None
+        dgrad = _linear_dgrad(ctx, weight_fp8, saved_weight, grad_output) if ctx.backward_objects.requires_dgrad \
+            else None
+        wgrad = _FILES["linear"].general_gemm(inp, grad_output, layout="NT", grad=True)
+        ctx.backward_objects = None
+        return (wgrad if isinstance(saved_weight, torch.Tensor) else None), dgrad, None, None
 
 
 @dataclass
@@ -122,7 +260,6 @@ class FwdArgs:
     cpu_offloading: bool = False
     backward_override: str | None = None
     is_fsdp2: bool = False
-    seen_workspace: Any = field(default=None, repr=False)
 
 
 class TELinear(torch.nn.Module):
@@ -135,6 +272,8 @@ class TELinear(torch.nn.Module):
         self._fp8_workspaces: dict = {}
         self.quantizer = Float8CurrentScalingQuantizer()
         self.calls: list[FwdArgs] = []
+        #: The recipe's backward_override (TE reads it from the recipe).
+        self.backward_override: str | None = None
 
     @property
     def is_fsdp2(self) -> bool:
@@ -154,7 +293,8 @@ class TELinear(torch.nn.Module):
         try:
             cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"
             args = FwdArgs(self.quantizer, self._fp8_workspaces.get(cache_name) if cache_name else None,
-                           is_first_microbatch, cache_name is not None, torch.is_grad_enabled(), inp.requires_grad)
+                           is_first_microbatch, cache_name is not None, torch.is_grad_enabled(), inp.requires_grad,
+                           backward_override=self.backward_override)
             self.calls.append(args)
             if torch.is_grad_enabled():
                 out, new = _FILES["linear"]._Linear.apply(self.weight, inp, None, args)
@@ -167,12 +307,51 @@ class TELinear(torch.nn.Module):
         return out
 
 
+class _Checkpoint(torch.autograd.Function):
+    """``te.checkpoint(..., use_reentrant=True)``: the first pass without
+    grad and with TE's recompute flag on; in backward, the recompute pass
+    with grad and TE's recompute-phase flag on, then its backward."""
+
+    @staticmethod
+    def forward(ctx, run, kwargs, inp):
+        ctx.run, ctx.kwargs = run, kwargs
+        ctx.save_for_backward(inp)
+        with _recompute_flags(phase=False), torch.no_grad():
+            return run(inp, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inp,) = ctx.saved_tensors
+        x = inp.detach().requires_grad_(inp.requires_grad)
+        with _recompute_flags(phase=True), torch.enable_grad():
+            out = ctx.run(x, **ctx.kwargs)
+        torch.autograd.backward(out, grad)
+        return None, None, x.grad
+
+
+class _recompute_flags:
+    def __init__(self, phase: bool) -> None:
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        RECOMPUTE.update(enabled=True, phase=self.phase)
+
+    def __exit__(self, *exc) -> None:
+        RECOMPUTE.update(enabled=False, phase=False)
+
+
+def checkpoint(module, inp, **kwargs):
+    """Stands for ``te.checkpoint(module, inp, use_reentrant=True, **kwargs)``."""
+    return _Checkpoint.apply(module, kwargs, inp)
+
+
 _FILES: dict[str, types.ModuleType] = {}
 
 
 def _file(name: str, **attrs: Any) -> types.ModuleType:
     module = types.ModuleType(f"fake_te.{name}")
     module.quantize_weight = quantize_weight
+    module.general_gemm = general_gemm
     for key, value in attrs.items():
         setattr(module, key, value)
     _FILES[name] = module
@@ -207,11 +386,11 @@ def compat() -> dict[str, Any]:
         "mha_module": types.ModuleType("fake_mha"), "transformer_module": types.ModuleType("fake_transformer"),
         "quantize_weight": quantize_weight,
         "is_weight_workspace_valid": lambda ws, q: isinstance(ws, Workspace),
-        "is_fp8_activation_recompute_enabled": lambda: False,
-        "in_fp8_activation_recompute_phase": lambda: False,
+        "is_fp8_activation_recompute_enabled": lambda: RECOMPUTE["enabled"],
+        "in_fp8_activation_recompute_phase": lambda: RECOMPUTE["phase"],
         "is_graph_capturing": lambda: False,
         "is_distributed_weight": lambda weight: False,
-        "clear_columnwise_cache": lambda tensor: None,
+        "clear_columnwise_cache": clear_columnwise_cache,
         "FP8GlobalStateManager": SimpleNamespace(get_fp8_recipe=lambda: None),
         "no_torch_dynamo": lambda **kw: (lambda f: f),
     }
