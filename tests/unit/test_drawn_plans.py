@@ -92,6 +92,7 @@ def _pair(ti, setting: Setting, policy: DrawnPlanPolicy) -> tuple[TELinear, TELi
     managed.__dict__["_wm_state"] = state
     for module in (stock, managed):
         module.backward_override = setting.override
+        module.calls = None  # a kept argument record would hold workspaces the plan releases
     return stock, managed
 
 
