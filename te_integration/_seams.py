@@ -112,8 +112,12 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
                                     skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
         if levers.saves_columnwise_only:
-            state = module._wm_state  # D11: stripped once TE's forward has saved it (see _run_planned)
-            state.rowwise_parts = [out] if state.rowwise_parts is None else state.rowwise_parts + [out]
+            # D11: the rowwise tensors, found now: TE's prepare_for_saving
+            # empties the storage before its forward returns (see _run_planned).
+            parts = _rowwise_parts(out)
+            if parts:
+                state = module._wm_state
+                state.rowwise_parts = parts if state.rowwise_parts is None else state.rowwise_parts + parts
     if _LEDGER.enabled:
         _attribution.forward_workspace(module, levers.key, levers.plan, out, from_cache=hit)
     return out, None
@@ -169,24 +173,21 @@ def _rowwise_parts(workspace) -> list:
     return []
 
 
-def _save_columnwise_only(ctx, workspaces: list) -> None:
-    """D11: leave the rowwise tensors of ``workspaces`` (see
-    :func:`_rowwise_parts`) out of what ``ctx`` saves for backward. TE's
-    storages were split into their tensors by ``prepare_for_saving`` and
-    handed to ``ctx.save_for_backward``; a None in a rowwise slot restores
-    as a storage without rowwise data, as ``update_usage(rowwise_usage=False)``
-    would leave it. The memory is freed when this forward returns; the GEMM
-    that read it was queued first on the same stream."""
+def _save_columnwise_only(ctx, parts: list) -> None:
+    """D11: leave ``parts`` (see :func:`_rowwise_parts`) out of what ``ctx``
+    saves for backward. TE's storages were split into their tensors by
+    ``prepare_for_saving`` and handed to ``ctx.save_for_backward``; a None in
+    a rowwise slot restores as a storage without rowwise data, as
+    ``update_usage(rowwise_usage=False)`` would leave it. The memory is freed
+    when this forward returns; the GEMM that read it was queued first on the
+    same stream."""
     saved = getattr(ctx, "to_save", None)
     if not saved:
         return
-    parts = _rowwise_parts(workspaces[0])
-    for workspace in workspaces[1:]:
-        parts += _rowwise_parts(workspace)
     if len(parts) == 1:  # per-tensor FP8: its data only (list comprehensions are inlined: no calls)
         part = parts[0]
         ctx.to_save = tuple([None if t is part else t for t in saved])
-    elif parts:
+    else:
         drop = {id(t) for t in parts}
         ctx.to_save = tuple([None if t is not None and id(t) in drop else t for t in saved])
 

@@ -25,6 +25,9 @@ and ``layernorm_mlp.py``):
   a quantized parameter's is the parameter itself; a distributed weight's
   is re-gathered (TE's ``DistributedWeight`` path has no other lever).
 * Columnwise data derived from rowwise data needs a derivable format.
+* A fresh saved workspace keeps what forward built, less its rowwise data
+  where backward reads columnwise data only (D11); columnwise data that
+  backward does not read cannot be left out.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ _HIGH_PRECISION_SOURCES = (BackwardSource.SAVED_WORKSPACE, BackwardSource.REQUAN
 def unsupported_reason(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
     """Why TE 2.20 cannot carry out ``plan`` for ``context`` (naming the
     field), or None when it can. Pure: a function of its two arguments."""
-    for rule in (_backward_rule, _weight_rule, _columnwise_rule):
+    for rule in (_backward_rule, _weight_rule, _columnwise_rule, _saved_rule):
         reason = rule(context, plan)
         if reason is not None:
             return reason
@@ -132,6 +135,17 @@ def _distributed_rule(plan: WorkspacePlan) -> str | None:
                 "(regather)")
     if plan.forward_usage is not Usage.ROWWISE:
         return "forward_usage must be rowwise for a distributed weight (its backward builds its own columnwise data)"
+    return None
+
+
+def _saved_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
+    """What a fresh saved workspace keeps: TE keeps what forward built, and
+    the binding can leave out rowwise data only (D11)."""
+    if (not context.is_quantized_param and plan.backward_source is BackwardSource.SAVED_WORKSPACE and plan.cache is CacheAction.BYPASS
+            and Usage.COLUMNWISE in plan.forward_usage and Usage.COLUMNWISE not in plan.backward_usage):
+        return (f"forward_usage={plan.forward_usage.label} with backward_usage={plan.backward_usage.label}: the saved "
+                "workspace would keep columnwise data backward never reads, and TE 2.20 offers no way to drop it; "
+                "use forward_usage=rowwise")
     return None
 
 

@@ -7,10 +7,8 @@ the module file's global (so the installed seam is what runs), then
 the file's global ``quantize_weight``; the module caches the workspace TE
 returns under ``"weight"`` when a microbatch position is given. The
 "quantizer" rounds to a coarse grid, so a wrong workspace gives wrong
-numbers. :func:`checkpoint` stands for ``te.checkpoint``: it sets the two
-recompute flags TE's modules read, around its first pass and around the
-recompute pass. :func:`load_full_binding` loads ``_modules`` and its
-imports against it.
+numbers. :func:`load_full_binding` loads ``_modules`` and its imports
+against it.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,23 +28,60 @@ class QuantizedTensorStorage:
     """Stands for TE's quantized storage base class."""
 
 
-@dataclass(eq=False)
 class Workspace(QuantizedTensorStorage):
-    """A quantized weight: rounded data, the weight it came from, usages."""
+    """A quantized weight laid out as TE 2.20's per-tensor FP8 storage on
+    Hopper: rowwise data ``_data``, columnwise data in a separate
+    ``_transpose`` (valid unless ``_transpose_invalid``), and a
+    ``_scale_inv`` both directions share. ``source`` is the weight it was
+    made from. The methods follow TE's ``Float8TensorStorage``."""
 
-    data: torch.Tensor
-    source: torch.Tensor
-    rowwise: bool = True
-    columnwise: bool = True
-    _quantizer: Any = None
-    refreshes: int = 0
+    def __init__(self, data, transpose, source, quantizer) -> None:
+        self._data, self._transpose = data, transpose
+        self._transpose_invalid = transpose is None
+        self._scale_inv = torch.ones(())
+        self.source, self._quantizer, self.refreshes = source, quantizer, 0
+        #: TE makes cached workspaces with ``quantizer.internal = False``: a
+        #: ``QuantizedTensor`` (a torch.Tensor), which ``prepare_for_saving``
+        #: saves whole instead of splitting and emptying it.
+        self.internal = True
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data if self._data is not None else self._transpose.t()
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
     def get_usages(self) -> dict:
-        return {"rowwise": self.rowwise, "columnwise": self.columnwise}
+        return {"rowwise": self._data is not None,
+                "columnwise": self._transpose is not None and not self._transpose_invalid}
+
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None) -> None:
+        # TE: a transpose can be made from rowwise data; rowwise data cannot
+        # be made from a transpose; a usage set to False is dropped.
+        if columnwise_usage and not self.get_usages()["columnwise"]:
+            self._transpose, self._transpose_invalid = self._data.t().contiguous(), False
+        if columnwise_usage is False:
+            self._transpose, self._transpose_invalid = None, True
+        if rowwise_usage is False:
+            self._data = None
+
+    def prepare_for_saving(self):
+        tensors = [self._data, self._transpose, self._scale_inv]
+        self._data = self._transpose = self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        return tensors[3:]
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        return self.data.clone()
+
+
+def _round(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.round(tensor.detach() * 8) / 8
 
 
 # Named as TE's class so the registry's TE profiles describe it.
@@ -60,11 +95,23 @@ class Float8CurrentScalingQuantizer:
         if columnwise is not None:
             self.columnwise_usage = columnwise
 
-    def __call__(self, tensor: torch.Tensor) -> Workspace:
+    def quantize(self, tensor: torch.Tensor) -> Workspace:
+        data = _round(tensor)
+        return Workspace(data if self.rowwise_usage else None,
+                         data.t().contiguous() if self.columnwise_usage else None, tensor, self)
+
+    def __call__(self, tensor: torch.Tensor) -> Workspace:  # as TE's: through quantize()
         return self.quantize(tensor)
 
-    def quantize(self, tensor: torch.Tensor) -> Workspace:
-        return Workspace(torch.round(tensor.detach() * 8) / 8, tensor, self.rowwise_usage, self.columnwise_usage, self)
+    def update_quantized(self, tensor: torch.Tensor, workspace: Workspace) -> None:
+        """Refresh ``workspace`` in place, in the usages it has (TE's in-place quantize)."""
+        data = _round(tensor)
+        if workspace._data is not None:
+            workspace._data.copy_(data)
+        if workspace.get_usages()["columnwise"]:
+            workspace._transpose.copy_(data.t())
+        workspace.source = tensor
+        workspace.refreshes += 1
 
 
 Float8CurrentScalingQuantizer.__module__ = "transformer_engine.pytorch.tensor.float8_tensor"
@@ -76,12 +123,72 @@ def quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_works
     and returned; else a new one is made, and returned twice if cached."""
     if workspace is not None:
         if update_workspace:
-            workspace.data = torch.round(tensor.detach() * 8) / 8
-            workspace.source = tensor
-            workspace.refreshes += 1
+            quantizer.update_quantized(tensor, workspace)
         return workspace, None
     ws = quantizer.quantize(tensor)
+    ws.internal = not cache
     return ws, (ws if cache else None)
+
+
+def general_gemm(a, b, layout: str = "TN", grad: bool = False, **kwargs) -> torch.Tensor:
+    """TE's GEMM, for the three layouts the Linear uses (fprop ``y = x w^T``,
+    dgrad ``dx = dy w``, wgrad ``dw = dy^T x``). A quantized operand is read
+    in the direction the layout needs, as cuBLAS reads it."""
+    if layout == "NT":
+        return b.t() @ a
+    if isinstance(a, Workspace):
+        usage = "rowwise" if layout == "TN" else "columnwise"
+        if not a.get_usages()[usage]:
+            raise RuntimeError(f"general_gemm: the {usage} data the {layout} GEMM reads is missing")
+        a = a._data if layout == "TN" else a._transpose.t()
+    return b @ a.t() if layout == "TN" else b @ a
+
+
+#: What ``te.checkpoint`` says about the call in flight (TE's two flags).
+RECOMPUTE = {"enabled": False, "phase": False}
+
+
+def prepare_for_saving(*tensors):
+    """TE's: storages are split into their tensors, the objects kept apart."""
+    flat, objects = [], []
+    for t in tensors:
+        if t is None or isinstance(t, torch.Tensor):
+            flat.append(t)
+            objects.append(None)
+        elif not t.internal:  # a QuantizedTensor in TE: saved whole (held by the ctx here)
+            flat.append(None)
+            objects.append(_Whole(t))
+        else:
+            parts, obj = t.prepare_for_saving()
+            flat.extend(parts)
+            objects.append(obj)
+    return flat, objects
+
+
+@dataclass
+class _Whole:
+    """A cached workspace saved whole (see ``Workspace.internal``)."""
+
+    tensor: Any
+
+    def restore_from_saved(self, saved):
+        return saved[1:]
+
+
+def restore_from_saved(objects, saved):
+    out = []
+    for obj in objects:
+        if obj is None:
+            out.append(saved[0])
+            saved = saved[1:]
+        else:
+            saved = obj.restore_from_saved(saved)
+            out.append(obj.tensor if isinstance(obj, _Whole) else obj)
+    return out
+
+
+def clear_columnwise_cache(tensor) -> None:
+    tensor._transpose, tensor._transpose_invalid = None, True
 
 
 class InjectedFault(RuntimeError):
@@ -95,30 +202,69 @@ def _maybe_fail(phase: str, weight: torch.Tensor) -> None:
 
 
 def _linear_forward(ctx, weight, inp, bias, fwd_args):
+    """TE 2.20's ``_linear_forward_impl`` and ``_Linear.forward``, weight steps only."""
     _maybe_fail("forward", weight)
     file = _FILES["linear"]
-    ws, new = file.quantize_weight(tensor=weight, quantizer=fwd_args.weight_quantizer,
-                                   workspace=fwd_args.weight_workspace, cache=fwd_args.cache_weight)
-    if ctx is not None:
-        ctx.backward_objects = SimpleNamespace(is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=fwd_args.weight_quantizer)
-        ctx.saved_ws = None if fwd_args.is_fsdp2 else ws
-        # Saved through autograd, as TE saves its tensors, so that a
-        # non-reentrant checkpoint recomputes the forward when backward reads
-        # it (and hands back a copy: the parameter itself is kept for faults).
-        ctx.save_for_backward(weight)
-        ctx.parameter = weight
-    fwd_args.seen_workspace = ws
-    return inp @ ws.data.t(), new
+    quantizer = fwd_args.weight_quantizer
+    if not isinstance(weight, QuantizedTensorStorage):
+        columnwise = fwd_args.is_grad_enabled and fwd_args.input_requires_grad and not fwd_args.is_fsdp2
+        if fwd_args.backward_override is not None:
+            columnwise = False
+        columnwise = columnwise or (RECOMPUTE["enabled"] and not RECOMPUTE["phase"])
+        quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    else:
+        quantizer = weight._quantizer
+    update = fwd_args.is_first_microbatch is None or fwd_args.is_first_microbatch
+    ws, new = file.quantize_weight(tensor=weight, quantizer=quantizer, workspace=fwd_args.weight_workspace,
+                                   update_workspace=update, cache=fwd_args.cache_weight)
+    ws.update_usage(rowwise_usage=True)
+    out = file.general_gemm(ws, inp)
+    if ctx is not None and fwd_args.is_grad_enabled:
+        wt_save = None if (fwd_args.is_fsdp2 and ws is not weight) else ws
+        tensors, objects = prepare_for_saving(inp, wt_save, weight if isinstance(weight, torch.Tensor) else None)
+        ctx.save_for_backward(*tensors)
+        ctx.tensor_objects = objects
+        ctx.saved_param = weight if not isinstance(weight, torch.Tensor) else None
+        ctx.parameter = weight  # the module's own weight, for faults (a checkpoint may hand back a copy)
+        ctx.backward_objects = SimpleNamespace(
+            is_fsdp2=fwd_args.is_fsdp2, weight_quantizer=quantizer, backward_override=fwd_args.backward_override,
+            fp8=fwd_args.backward_override is None, requires_dgrad=fwd_args.input_requires_grad)
+    return out, new
+
+
+def _linear_dgrad(ctx, weight_fp8, saved_weight, grad_output):
+    """TE's dgrad steps: rebuild when nothing was saved, make sure of the
+    columnwise data, apply the override, GEMM, clear under FSDP2."""
+    bwd = ctx.backward_objects
+    file = _FILES["linear"]
+    if weight_fp8 is None:
+        if isinstance(saved_weight, QuantizedTensorStorage):
+            weight_fp8 = saved_weight
+        elif bwd.weight_quantizer is not None:
+            bwd.weight_quantizer.set_usage(rowwise=True, columnwise=True)
+            weight_fp8 = bwd.weight_quantizer(saved_weight)
+            LinearFunction.rebuilt.append(weight_fp8.get_usages())
+    if bwd.fp8 and bwd.weight_quantizer is not None and isinstance(weight_fp8, QuantizedTensorStorage):
+        weight_fp8.update_usage(columnwise_usage=True)
+    operand = weight_fp8
+    if bwd.backward_override == "dequantized":
+        operand = weight_fp8.dequantize() if isinstance(weight_fp8, QuantizedTensorStorage) else weight_fp8
+    elif bwd.backward_override == "high_precision":
+        operand = saved_weight.dequantize() if isinstance(saved_weight, QuantizedTensorStorage) else saved_weight
+    dgrad = file.general_gemm(operand, grad_output, layout="NN", grad=True)
+    if bwd.is_fsdp2 and isinstance(weight_fp8, QuantizedTensorStorage):
+        clear_columnwise_cache(weight_fp8)
+    return dgrad
 
 
 class LinearFunction(torch.autograd.Function):
     #: Set by a test to make the next backward raise.
     fail_backward = False
-    #: Workspaces rebuilt in backward, for tests to inspect.
-    rebuilt: list = []
     #: Set by a test: ``fault(phase, weight)`` ("forward" or "backward", the
     #: call's weight) returns whether that call raises :class:`InjectedFault`.
     fault: Callable[[str, torch.Tensor], bool] | None = None
+    #: The usages of each workspace rebuilt in backward, as built.
+    rebuilt: list = []
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
@@ -126,17 +272,17 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
-        (weight,) = ctx.saved_tensors
+        inp, weight_fp8, saved_weight = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
         _maybe_fail("backward", ctx.parameter)
-        ws = ctx.saved_ws
-        if ws is None:  # nothing saved (TE's is_fsdp2 lever): rebuild from the weight, as TE does
-            quantizer = ctx.backward_objects.weight_quantizer
-            quantizer.set_usage(rowwise=True, columnwise=True)
-            ws = quantizer(weight)
-            LinearFunction.rebuilt.append(ws)
+        saved_weight = saved_weight if ctx.saved_param is None else ctx.saved_param
+        ctx.tensor_objects = None
         if LinearFunction.fail_backward:
             raise RuntimeError("injected failure in backward")
-        return None, grad_output @ ws.data, None, None
+        dgrad = _linear_dgrad(ctx, weight_fp8, saved_weight, grad_output) if ctx.backward_objects.requires_dgrad \
+            else None
+        wgrad = _FILES["linear"].general_gemm(inp, grad_output, layout="NT", grad=True)
+        ctx.backward_objects = None
+        return (wgrad if isinstance(saved_weight, torch.Tensor) else None), dgrad, None, None
 
 
 @dataclass
@@ -154,7 +300,6 @@ class FwdArgs:
     cpu_offloading: bool = False
     backward_override: str | None = None
     is_fsdp2: bool = False
-    seen_workspace: Any = field(default=None, repr=False)
 
 
 class TELinear(torch.nn.Module):
@@ -166,7 +311,10 @@ class TELinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen))
         self._fp8_workspaces: dict = {}
         self.quantizer = Float8CurrentScalingQuantizer()
-        self.calls: list[FwdArgs] = []
+        #: Every call's arguments (None: not kept; they hold the cached workspace).
+        self.calls: list[FwdArgs] | None = []
+        #: The recipe's backward_override (TE reads it from the recipe).
+        self.backward_override: str | None = None
 
     @property
     def is_fsdp2(self) -> bool:
@@ -186,8 +334,10 @@ class TELinear(torch.nn.Module):
         try:
             cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"
             args = FwdArgs(self.quantizer, self._fp8_workspaces.get(cache_name) if cache_name else None,
-                           is_first_microbatch, cache_name is not None, torch.is_grad_enabled(), inp.requires_grad)
-            self.calls.append(args)
+                           is_first_microbatch, cache_name is not None, torch.is_grad_enabled(), inp.requires_grad,
+                           backward_override=self.backward_override)
+            if self.calls is not None:
+                self.calls.append(args)
             if torch.is_grad_enabled():
                 out, new = _FILES["linear"]._Linear.apply(self.weight, inp, None, args)
             else:
@@ -199,22 +349,17 @@ class TELinear(torch.nn.Module):
         return out
 
 
-#: TE's two recompute flags (``distributed.py``): inside a checkpoint
-#: region, and in its recompute pass.
-_RECOMPUTE = {"enabled": False, "phase": False}
-
-
 def in_recompute_phase() -> bool:
-    return _RECOMPUTE["phase"]
+    return RECOMPUTE["phase"]
 
 
 @contextlib.contextmanager
 def _recompute_flags(phase: bool) -> Iterator[None]:
-    _RECOMPUTE.update(enabled=True, phase=phase)
+    RECOMPUTE.update(enabled=True, phase=phase)
     try:
         yield
     finally:  # TE's context clears both flags on exit, also after an exception
-        _RECOMPUTE.update(enabled=False, phase=False)
+        RECOMPUTE.update(enabled=False, phase=False)
 
 
 class _ReentrantCheckpoint(torch.autograd.Function):
@@ -222,29 +367,38 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     recompute pass with grad inside backward, each under its flags."""
 
     @staticmethod
-    def forward(ctx, function, *args):
-        ctx.function = function
+    def forward(ctx, function, kwargs, *args):
+        ctx.function, ctx.kwargs = function, kwargs
         ctx.save_for_backward(*args)
         with _recompute_flags(phase=False):
-            return function(*args)
+            return function(*args, **kwargs)
 
     @staticmethod
     def backward(ctx, *grads):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         with torch.enable_grad(), _recompute_flags(phase=True):
-            outputs = ctx.function(*inputs)
+            outputs = ctx.function(*inputs, **ctx.kwargs)
         torch.autograd.backward(outputs, grads)
-        return (None, *(t.grad for t in inputs))
+        return (None, None, *(t.grad for t in inputs))
 
 
-def checkpoint(function: Callable, *args: torch.Tensor, use_reentrant: bool = True) -> torch.Tensor:
+def checkpoint(function: Callable, *args: torch.Tensor, use_reentrant: bool = True, **kwargs) -> torch.Tensor:
     """Stands for ``te.checkpoint``: reentrant as TE's own Function, or
     non-reentrant through torch's checkpoint with TE's flag contexts."""
     if use_reentrant:
-        return _ReentrantCheckpoint.apply(function, *args)
+        return _ReentrantCheckpoint.apply(function, kwargs, *args)
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
-        context_fn=lambda: (_recompute_flags(phase=False), _recompute_flags(phase=True)))
+        context_fn=lambda: (_recompute_flags(phase=False), _recompute_flags(phase=True)), **kwargs)
+
+
+class _RecomputeRegion:
+    """TE's ``distributed`` module as the hot path reads it: its
+    ``_IN_ACTIVATION_RECOMPUTE_REGION`` global, following the flags above."""
+
+    @property
+    def _IN_ACTIVATION_RECOMPUTE_REGION(self) -> bool:
+        return RECOMPUTE["enabled"]
 
 
 _FILES: dict[str, types.ModuleType] = {}
@@ -253,6 +407,7 @@ _FILES: dict[str, types.ModuleType] = {}
 def _file(name: str, **attrs: Any) -> types.ModuleType:
     module = types.ModuleType(f"fake_te.{name}")
     module.quantize_weight = quantize_weight
+    module.general_gemm = general_gemm
     for key, value in attrs.items():
         setattr(module, key, value)
     _FILES[name] = module
@@ -263,16 +418,6 @@ def _te_named(obj: Any, module: str, qualname: str) -> Any:
     """Give ``obj`` the home TE gives the real one (the install check reads it)."""
     obj.__module__, obj.__qualname__ = module, qualname
     return obj
-
-
-class _RecomputeRegion:
-    """TE's ``distributed`` module as the hot path reads it: its
-    ``_IN_ACTIVATION_RECOMPUTE_REGION`` global, here following the stand-in
-    checkpoint's flags."""
-
-    @property
-    def _IN_ACTIVATION_RECOMPUTE_REGION(self) -> bool:
-        return _RECOMPUTE["enabled"]
 
 
 def compat() -> dict[str, Any]:
@@ -297,13 +442,13 @@ def compat() -> dict[str, Any]:
         "mha_module": types.ModuleType("fake_mha"), "transformer_module": types.ModuleType("fake_transformer"),
         "quantize_weight": quantize_weight,
         "is_weight_workspace_valid": lambda ws, q: isinstance(ws, Workspace),
-        "is_fp8_activation_recompute_enabled": lambda: _RECOMPUTE["enabled"],
-        "in_fp8_activation_recompute_phase": in_recompute_phase,
+        "is_fp8_activation_recompute_enabled": lambda: RECOMPUTE["enabled"],
+        "in_fp8_activation_recompute_phase": lambda: RECOMPUTE["phase"],
         "is_graph_capturing": lambda: False,
         "graph_flags": SimpleNamespace(_IS_GRAPH_CAPTURING=False),
         "recompute_flags": _RecomputeRegion(),
         "is_distributed_weight": lambda weight: False,
-        "clear_columnwise_cache": lambda tensor: None,
+        "clear_columnwise_cache": clear_columnwise_cache,
         "FP8GlobalStateManager": SimpleNamespace(get_fp8_recipe=lambda: None),
         "no_torch_dynamo": lambda **kw: (lambda f: f),
     }

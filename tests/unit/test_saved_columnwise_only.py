@@ -52,9 +52,7 @@ class _Saves(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rowwise, columnwise, scale, seams):
         ctx.save_for_backward(rowwise, columnwise, scale)
-        # a per-tensor FP8 storage: rowwise data next to a valid transpose
-        seams._save_columnwise_only(ctx, [SimpleNamespace(_data=rowwise, _transpose=columnwise,
-                                                          _transpose_invalid=False)])
+        seams._save_columnwise_only(ctx, [rowwise])
         return x * 2
 
     @staticmethod

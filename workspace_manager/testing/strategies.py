@@ -26,8 +26,11 @@ from .._policy import WorkspacePolicy
 from .._selection import select_policy
 from .._profiles import PROFILES
 from .invariants import SHIPPED_POLICIES
+from .plans import meaningful_plans
 
-__all__ = ["capabilities", "contexts", "policies", "covering_policies", "BASE_POLICIES", "ALL_POLICIES"]
+__all__ = [
+    "capabilities", "contexts", "policies", "covering_policies", "valid_plans", "BASE_POLICIES", "ALL_POLICIES",
+]
 
 #: One instance of each non-recompute policy.
 BASE_POLICIES: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES[:3]
@@ -91,3 +94,11 @@ def covering_policies(draw, contexts=contexts()) -> tuple[WorkspacePolicy, Works
     candidates = [p for p in ALL_POLICIES if p.covers(ctx)]
     candidates.append(select_policy(ctx))
     return draw(st.sampled_from(candidates)), ctx
+
+
+def valid_plans(context: WorkspaceContext, *, cache_filled: bool | None = None) -> st.SearchStrategy:
+    """Plans that WorkspacePlan accepts and that mean something for
+    ``context``: drawn from :func:`workspace_manager.testing.plans.meaningful_plans`,
+    whose docstring states the rules. ``cache_filled`` says whether a cache
+    entry filled since the last weight update may exist."""
+    return st.sampled_from(meaningful_plans(context, cache_filled=cache_filled))
