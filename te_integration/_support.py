@@ -114,6 +114,10 @@ def _weight_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
                     "parameter's backward reads the parameter (saved_parameter)")
         if plan.cache is not CacheAction.BYPASS:
             return f"cache={plan.cache.value}: TE never caches a quantized parameter (it is its own workspace)"
+        if not context.sharding.is_fsdp2 and plan.parameter_keeps is not Usage.BOTH:
+            # Found by the GPU drawn-plan test: an unsharded parameter kept both after the step.
+            return (f"parameter_keeps={plan.parameter_keeps.label}: the binding trims FSDP2 shards only; an unsharded "
+                    "quantized parameter keeps the usages TE gives it (rowwise+columnwise)")
         return None
     if source in (BackwardSource.SAVED_PARAMETER, BackwardSource.REGATHER):
         return (f"backward_source={source.value} needs a quantized parameter or a distributed weight; this weight "

@@ -28,6 +28,7 @@ from workspace_manager import (
     RecomputeScope,
     Sharding,
     UnsupportedPlanError,
+    Usage,
     WeightSource,
     WorkspaceContext,
     WorkspacePolicy,
@@ -109,11 +110,12 @@ def test_the_refusal_names_the_context(ti):
     ("backward_source", dict(backward_source=BackwardSource.SAVED_PARAMETER,
                              columnwise_source=ColumnwiseSource.PARAMETER), "needs a quantized parameter"),
     ("cache", dict(cache=CacheAction.FILL), "never caches a quantized parameter"),
+    ("parameter_keeps", dict(parameter_keeps=Usage.ROWWISE), "trims FSDP2 shards only"),
 ])
 def test_unsupported_reason_names_the_field(ti, field, plan_fields, reason):
     from dataclasses import replace
 
-    weight = WeightSource.QUANTIZED_PARAM if field == "cache" else WeightSource.HIGH_PRECISION
+    weight = WeightSource.HIGH_PRECISION if field == "backward_source" else WeightSource.QUANTIZED_PARAM
     ctx = WorkspaceContext(capabilities=PROFILES["float8_current_scaling"], sharding=Sharding.NONE, weight=weight)
     plan = WorkspacePolicy().plan(ctx)
     assert ti.support.unsupported_reason(ctx, plan) is None
