@@ -48,6 +48,8 @@ from ._policy import (
     FSDP2WorkspacePolicy,
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
+    MicrobatchCache,
+    RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
@@ -87,6 +89,8 @@ __all__ = [
     "KeepForBackwardWorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
+    "MicrobatchCache",
+    "RecomputeCopy",
     "select_policy",
     "resolve_policy",
     "plan_call",
