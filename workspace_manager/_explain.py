@@ -19,9 +19,10 @@ from ._context import (
 )
 from ._notes import plan_notes
 from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._selection import POLICY_NAMES, named_policy
 
 __all__ = ["DecisionRow", "decision_table", "render_text", "render_json", "plan_notes", "POLICY_CHOICES",
-           "named_policy", "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label"]
+           "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label"]
 
 
 @dataclass(frozen=True)
@@ -66,44 +67,12 @@ class DecisionRow:
 
 
 def _policy_choices() -> dict[str, object]:
-    from ._policy import (
-        DistributedWeightWorkspacePolicy,
-        FSDP2WorkspacePolicy,
-        KeepForBackwardWorkspacePolicy,
-        LeanWorkspacePolicy,
-        MicrobatchCache,
-        RecomputeCopy,
-        RecomputeWorkspacePolicy,
-        WorkspacePolicy,
-    )
-
-    return {
-        "plain": WorkspacePolicy(),
-        "fsdp2": FSDP2WorkspacePolicy(),
-        "recompute": RecomputeWorkspacePolicy(inner=WorkspacePolicy()),
-        "fsdp2_recompute": RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
-        "distributed_weight": DistributedWeightWorkspacePolicy(),
-        "lean": LeanWorkspacePolicy(),
-        "keep_for_backward": KeepForBackwardWorkspacePolicy(),
-        # the shipped policies' options, off by default (docs/decisions.md, D3 and D4)
-        "fsdp2_microbatch_cache": FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS),
-        "fsdp2_recompute_build_once": RecomputeWorkspacePolicy(
-            inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE),
-    }
+    return {name: named_policy(name) for name in POLICY_NAMES}
 
 
 #: Policy names accepted by ``explain --policy``: the shipped policies with
-#: their defaults, then with an option switched on.
-POLICY_CHOICES = tuple(_policy_choices())
-
-
-def named_policy(name: str):
-    """The policy ``explain --policy NAME`` shows (a name of
-    :data:`POLICY_CHOICES`), for tools that pin a policy by name."""
-    choices = _policy_choices()
-    if name not in choices:
-        raise ValueError(f"no policy is named {name!r}; choose from {', '.join(choices)}")
-    return choices[name]
+#: their defaults, then with an option switched on (``POLICY_NAMES``).
+POLICY_CHOICES = POLICY_NAMES
 
 
 def _contexts(policy, capabilities: QuantizerCapabilities, full: bool) -> Iterator[WorkspaceContext]:

@@ -142,3 +142,16 @@ def test_every_option_on_pins_both_options_for_a_sharding():
                            microbatch=Microbatch.FIRST)
     assert policy.plan(ctx).cache is CacheAction.BYPASS  # delayed scaling is never cached under FSDP2
     assert policy.plan(replace(ctx, capabilities=FLOAT8_CURRENT_SCALING)).cache is CacheAction.FILL
+
+
+def test_the_options_are_shipped_by_name_for_tools_to_pin():
+    """``explain --policy`` and the benchmarks' ``--policy`` take these names."""
+    from workspace_manager._explain import POLICY_CHOICES
+
+    assert {"POLICY_NAMES", "named_policy"} <= set(wm.__all__) and POLICY_CHOICES == wm.POLICY_NAMES
+    assert wm.named_policy("fsdp2_microbatch_cache") == CACHE
+    assert wm.named_policy("fsdp2_recompute_build_once") == RecomputeWorkspacePolicy(
+        inner=FSDP2, recompute_copy=RecomputeCopy.BUILD_ONCE)
+    assert wm.named_policy("fsdp2") == FSDP2  # the default, options off
+    with pytest.raises(ValueError, match="no shipped policy is named 'nope'; choose from plain, fsdp2"):
+        wm.named_policy("nope")
