@@ -9,10 +9,10 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | module | runs on | measures |
 |---|---|---|
 | ``fsdp2_memory`` | 2 GPUs, FSDP2 | memory, step time: stock/drop-in/bf16, recipe x init; depth sweep |
-| ``microbatch`` | 2 GPUs, FSDP2 | ``reshard_after_forward=False``, 4 and 8 microbatches: quantizations, time |
+| ``microbatch`` | 2 GPUs, FSDP2 | ``reshard_after_forward=False``, 4 and 8 microbatches, the microbatch cache option pinned: quantizations, time |
 | ``recompute`` | 2 GPUs, FSDP2 | ``te.checkpoint`` around every layer: memory and step time |
 | ``soak`` | 2 GPUs, FSDP2 | allocated memory after each of 200 steps: flat after warm-up |
-| ``step_time`` | 2 GPUs, FSDP2 | paired step time: stock, drop-in and a second stock (the noise floor) take turns step by step |
+| ``step_time`` | 2 GPUs, FSDP2 | paired step time: stock, drop-in and a second stock (the noise floor) take turns step by step; ``--policy`` pins an option on the drop-in |
 | ``timeline`` | CPU, after a GPU run | live workspace bytes at every forward/backward boundary of one step, stock vs drop-in, from the FSDP2 worker's attribution report |
 | ``call_overhead`` | 1 GPU | host time a drop-in adds per module call (forward + backward), paired with a stock control; a profile of where it goes |
 | ``saved_workspace`` | 1 GPU, no FSDP | memory held from forward to backward, peak and paired step time: stock, drop-in (D11), ``LeanWorkspacePolicy``, bf16; bit-exact check |

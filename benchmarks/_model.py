@@ -42,6 +42,7 @@ __all__ = [
     "cached_workspaces",
     "make_recipe",
     "optimizer_for",
+    "pin_policy",
     "random_pair",
     "rank",
     "recipe_skip_reason",
@@ -104,11 +105,14 @@ def recipe_skip_reason(name: str) -> str | None:
 
 # -- the model ---------------------------------------------------------------------
 def build_stack(hidden: int, ffn: int, heads: int, layers: int, *, recipe, managed: bool = False,
-                quantized_init: bool = False, reshard_after_forward: bool = True, checkpoint: str = "none") -> Stack:
+                quantized_init: bool = False, reshard_after_forward: bool = True, checkpoint: str = "none",
+                policy: Any = None) -> Stack:
     """``layers`` x ``te.TransformerLayer(hidden, ffn, heads)`` sharded with
     FSDP2, from seed 0. ``recipe`` is a TE recipe object (None: bf16); with
     ``quantized_init`` and a recipe, the layers are built on the meta device
-    under ``te.quantized_model_init`` and materialized after sharding."""
+    under ``te.quantized_model_init`` and materialized after sharding.
+    ``policy``: a ``workspace_manager.WorkspacePolicy`` pinned on every
+    drop-in (``managed`` only; None: selected per call, the default)."""
     import transformer_engine.pytorch as te
 
     import te_integration as ti
@@ -124,8 +128,27 @@ def build_stack(hidden: int, ffn: int, heads: int, layers: int, *, recipe, manag
     with init, construction:
         model = Stack(*[te.TransformerLayer(hidden, ffn, heads, **kwargs) for _ in range(layers)])
     model.checkpoint_mode = checkpoint
+    if policy is not None:
+        if not managed:
+            raise ValueError("build_stack: a policy can be pinned on drop-ins only (managed=True)")
+        pin_policy(model, policy)
     shard(model, reshard_after_forward, materialize=qinit)
     return model
+
+
+def pin_policy(model: torch.nn.Module, policy: Any) -> int:
+    """Pin ``policy`` on every drop-in module of ``model`` (and convert
+    nothing); returns how many. Raises ValueError if there is none, since a
+    pin that reaches no module would measure the defaults under the
+    policy's name."""
+    import te_integration as ti
+
+    drop_ins = [m for m in model.modules() if isinstance(m, (ti.Linear, ti.LayerNormLinear, ti.LayerNormMLP))]
+    if not drop_ins:
+        raise ValueError(f"pin_policy: {type(model).__name__} holds no drop-in module to pin {policy!r} on")
+    for module in drop_ins:
+        ti.set_workspace_policy(module, policy)
+    return len(drop_ins)
 
 
 def shard(model: torch.nn.Module, reshard_after_forward: bool, *, materialize: bool = False) -> None:

@@ -66,6 +66,9 @@ class ModelSpec:
     quantized_init: bool = False
     reshard_after_forward: bool = True
     checkpoint: str = "none"  # "none", "nonreentrant" or "reentrant" te.checkpoint around every layer
+    #: A policy pinned on the drop-ins by its ``explain`` name (e.g. "fsdp2_microbatch_cache");
+    #: None: selected per call, the default.
+    policy: str | None = None
 
     @property
     def variant(self) -> str:
@@ -79,7 +82,8 @@ class ModelSpec:
             parts.append("keep")
         if self.checkpoint != "none":
             parts.append(f"ckpt-{self.checkpoint}")
-        return " ".join(parts + [VARIANT_LABELS[self.variant]])
+        variant = VARIANT_LABELS[self.variant] + (f" ({self.policy})" if self.policy else "")
+        return " ".join(parts + [variant])
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -136,7 +140,33 @@ def build(spec: ModelSpec) -> torch.nn.Module:
     s = spec.size
     return build_stack(s.hidden, s.ffn, s.heads, spec.layers, recipe=make_recipe(spec.recipe), managed=spec.managed,
                        quantized_init=spec.quantized_init, reshard_after_forward=spec.reshard_after_forward,
-                       checkpoint=spec.checkpoint)
+                       checkpoint=spec.checkpoint, policy=pinned_policy(spec.policy))
+
+
+def pinned_policy(name: str | None):
+    """The policy ``explain --policy NAME`` shows, to pin on drop-ins; None for None."""
+    if name is None:
+        return None
+    from workspace_manager import named_policy
+
+    return named_policy(name)
+
+
+def fsdp2_policy_names() -> tuple[str, ...]:
+    """The ``explain`` policy names that plan FSDP2-sharded weights: what a
+    drop-in of the FSDP2 stack can have pinned."""
+    from workspace_manager import POLICY_NAMES, Sharding, named_policy
+
+    return tuple(n for n in POLICY_NAMES if Sharding.FSDP2_RESHARD in named_policy(n).shardings)
+
+
+def add_policy_argument(parser, what: str) -> None:
+    """``--policy NAME``: a policy pinned on the drop-in models (``what``
+    says what else it changes); default none, the drop-ins' defaults."""
+    names = fsdp2_policy_names()
+    parser.add_argument("--policy", choices=names, default=None, metavar="NAME",
+                        help=f"pin this policy on the drop-in models, by its explain name ({', '.join(names)}); "
+                             f"default: none, the drop-ins' defaults. {what}")
 
 
 def weight_numel(model: torch.nn.Module) -> int:

@@ -1,13 +1,20 @@
 """Microbatching under FSDP2 with ``reshard_after_forward=False``: 4 and 8
-microbatches per step with ``is_first_microbatch``, stock vs drop-in.
+microbatches per step with ``is_first_microbatch``, stock vs drop-in with
+the microbatch cache option pinned.
 
     torchrun --nproc_per_node=2 -m benchmarks.microbatch [--quick]
 
-Stock TE requantizes every weight on every microbatch under FSDP2; the
-drop-in keeps one workspace per weight for the step and drops it at the
-optimizer step. Per configuration: weight quantizations per step (counted at
-TE's ``quantize_weight``), median step time with its spread, identical
-losses, cached workspaces left after the step, peak and after-step memory.
+Stock TE requantizes every weight on every microbatch under FSDP2, and so do
+the drop-ins by default. This benchmark measures the option that does not:
+``FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)``
+(``explain`` name ``fsdp2_microbatch_cache``, off by default:
+docs/decisions.md, D4) keeps one workspace per weight for the step and
+drops it at the optimizer step. Per configuration: weight quantizations per
+step (counted at TE's ``quantize_weight``), median step time with its
+spread, identical losses, cached workspaces left after the step, peak and
+after-step memory. ``benchmarks.step_time --microbatches 4 --policy
+fsdp2_microbatch_cache`` times the same in pairs, which is the figure to
+read for step time.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from ._stack import SIZES, ModelSpec, Steps, estimate_seconds, measure
 from .fsdp2_memory import losses_row, quantization_row, timing_entries
 
 NAME = "microbatch"
+#: The option measured here, pinned on the drop-in models.
+POLICY = "fsdp2_microbatch_cache"
 DEFAULTS = {
     "recipes": (list(h.RECIPES), list(h.RECIPES)),
     "sizes": (["leak", "realistic"], ["leak"]),
@@ -55,7 +64,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
                         "microbatches": micro}
                 for managed in ((False, True) if i % 2 == 0 else (True, False)):
                     spec = ModelSpec(size=size, layers=layers, recipe=recipe, managed=managed,
-                                     reshard_after_forward=False)
+                                     reshard_after_forward=False, policy=POLICY if managed else None)
                     jobs.append(Job(label=f"{spec.label()} x{micro}", meta=meta, spec=spec,
                                     run=lambda spec=spec, steps=steps: measure(spec, steps, dist),
                                     estimate_s=estimate_seconds(spec, steps)))

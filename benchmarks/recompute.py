@@ -9,6 +9,11 @@ figures are fsdp2_memory's: peak and after-step memory over the baseline,
 the per-layer forward increment (outputs kept across ``te.checkpoint``),
 the backward measures, quantizations per step (recompute passes included)
 and the median step time with its spread.
+
+``--policy NAME`` pins a policy on the drop-ins by its ``explain`` name,
+e.g. ``fsdp2_recompute_build_once``: the recompute pass builds the
+columnwise copy once and saves it for backward instead of TE's rebuild, an
+option off by default because it costs peak memory (docs/decisions.md, D3).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Sequence
 
 from . import _harness as h
 from ._runner import Job, gpu_main
-from ._stack import SIZES, ModelSpec, Steps, estimate_seconds, measure
+from ._stack import SIZES, ModelSpec, Steps, add_policy_argument, estimate_seconds, measure
 from .fsdp2_memory import _group, comparison_rows
 
 NAME = "recompute"
@@ -38,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p = h.make_parser(NAME, __doc__)
     p.add_argument("--modes", type=h.csv_choices(MODES), help="te.checkpoint modes: nonreentrant, reentrant")
     p.add_argument("--probes", type=h.positive_int, help="memory-probe steps per model, after warm-up")
+    add_policy_argument(p, "The case names say so.")
     return p
 
 
@@ -57,10 +63,11 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
             specs.append(({"section": section, "case": f"{name} {layers}L bf16 {mode}", "mode": mode},
                           ModelSpec(size=size, layers=layers, checkpoint=mode)))
             for recipe in args.recipes:
-                meta = {"section": section, "case": f"{name} {layers}L {recipe} {mode}", "mode": mode}
+                case = f"{name} {layers}L {recipe} {mode}" + (f" policy {args.policy}" if args.policy else "")
+                meta = {"section": section, "case": case, "mode": mode}
                 for managed in ((False, True) if i % 2 == 0 else (True, False)):
                     specs.append((meta, ModelSpec(size=size, layers=layers, recipe=recipe, managed=managed,
-                                                  checkpoint=mode)))
+                                                  checkpoint=mode, policy=args.policy if managed else None)))
                 i += 1
     return [Job(label=spec.label(), meta=meta, spec=spec, run=lambda spec=spec: measure(spec, steps, dist),
                 estimate_s=estimate_seconds(spec, steps)) for meta, spec in specs]

@@ -26,8 +26,10 @@ MIB = 2**20
 
 
 def case_name(run: dict) -> str:
+    """``<recipe>_<init>_<n>mb``, and ``_<policy>`` for a run with a policy pinned on the drop-ins."""
     init = "qinit" if run["quantized_init"] else "bf16"
-    return f"{run['recipe']}_{init}_{run['microbatches']}mb"
+    name = f"{run['recipe']}_{init}_{run['microbatches']}mb"
+    return f"{name}_{run['policy']}" if run.get("policy") else name
 
 
 def layer_of(module: str) -> str:

@@ -8,7 +8,8 @@ them in that order; the other modules register their task here, so this
 module imports none of them.
 
 Cache release: a plan with ``Release.CACHED_WORKSPACE`` (FSDP2 with
-``reshard_after_forward=False`` and microbatches) keeps one workspace per
+``reshard_after_forward=False``, microbatches and the microbatch cache
+option, ``MicrobatchCache.EXACT_FORMATS``, off by default) keeps one workspace per
 weight for every microbatch of a step. The module cannot tell which
 backward is the step's last, so each backward marks the entry, and the
 entries are dropped at the next optimizer step, or when the user calls

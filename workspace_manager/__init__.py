@@ -48,6 +48,8 @@ from ._policy import (
     FSDP2WorkspacePolicy,
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
+    MicrobatchCache,
+    RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
 )
@@ -59,7 +61,7 @@ from ._registry import (
     quantizer_capabilities,
     register_quantizer,
 )
-from ._selection import plan_call, resolve_policy, select_policy
+from ._selection import POLICY_NAMES, named_policy, plan_call, resolve_policy, select_policy
 
 __version__ = "0.1.0"
 
@@ -87,9 +89,13 @@ __all__ = [
     "KeepForBackwardWorkspacePolicy",
     "RecomputeWorkspacePolicy",
     "DistributedWeightWorkspacePolicy",
+    "MicrobatchCache",
+    "RecomputeCopy",
     "select_policy",
     "resolve_policy",
     "plan_call",
+    "named_policy",
+    "POLICY_NAMES",
     # attribution: who holds which quantized bytes, and why
     "WorkspaceKind",
     "Lifetime",

@@ -19,6 +19,7 @@ from ._context import (
 )
 from ._notes import plan_notes
 from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._selection import POLICY_NAMES, named_policy
 
 __all__ = ["DecisionRow", "decision_table", "render_text", "render_json", "plan_notes", "POLICY_CHOICES",
            "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label"]
@@ -66,28 +67,12 @@ class DecisionRow:
 
 
 def _policy_choices() -> dict[str, object]:
-    from ._policy import (
-        DistributedWeightWorkspacePolicy,
-        FSDP2WorkspacePolicy,
-        KeepForBackwardWorkspacePolicy,
-        LeanWorkspacePolicy,
-        RecomputeWorkspacePolicy,
-        WorkspacePolicy,
-    )
-
-    return {
-        "plain": WorkspacePolicy(),
-        "fsdp2": FSDP2WorkspacePolicy(),
-        "recompute": RecomputeWorkspacePolicy(inner=WorkspacePolicy()),
-        "fsdp2_recompute": RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
-        "distributed_weight": DistributedWeightWorkspacePolicy(),
-        "lean": LeanWorkspacePolicy(),
-        "keep_for_backward": KeepForBackwardWorkspacePolicy(),
-    }
+    return {name: named_policy(name) for name in POLICY_NAMES}
 
 
-#: Policy names accepted by ``explain --policy``.
-POLICY_CHOICES = tuple(_policy_choices())
+#: Policy names accepted by ``explain --policy``: the shipped policies with
+#: their defaults, then with an option switched on (``POLICY_NAMES``).
+POLICY_CHOICES = POLICY_NAMES
 
 
 def _contexts(policy, capabilities: QuantizerCapabilities, full: bool) -> Iterator[WorkspaceContext]:

@@ -29,13 +29,12 @@ def plan_notes(
     elif source is BackwardSource.REQUANTIZE:
         notes.append("nothing quantized is saved; backward quantizes the weight it has again")
         if ctx.recompute is RecomputePass.RECOMPUTE:
-            notes.append(
-                "this pass quantizes with the first pass's scale, backward with its own: the rebuild "
-                "is kept so that dgrad sees TE's bytes"
-            )
+            notes.append(_recompute_rebuild_note(ctx))
     elif source is BackwardSource.SAVED_WORKSPACE and _kept_under_fsdp2(ctx, cache):
         notes.append("forward's copy is kept for this layer's backward, which quantizes nothing: "
                      "memory from forward to backward for one quantization less")
+    elif source is BackwardSource.SAVED_WORKSPACE and ctx.recompute is RecomputePass.RECOMPUTE and ctx.sharding.is_fsdp2:
+        notes.append("this pass's copy is kept for the backward that follows at once, which quantizes nothing")
     if columnwise is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
         notes.append(
             f"{ctx.capabilities.name} does not requantize exactly: dgrad may see another "
@@ -52,6 +51,14 @@ def plan_notes(
     if keeps is Usage.ROWWISE:
         notes.append("the sharded parameter keeps rowwise data only: its all-gather sends no more")
     return tuple(n for n in notes if n)
+
+
+def _recompute_rebuild_note(ctx: WorkspaceContext) -> str:
+    if not ctx.capabilities.requantization_safe:
+        return ("this pass quantizes with the first pass's scale, backward with its own: the rebuild "
+                "is kept so that dgrad sees TE's bytes")
+    return ("this pass builds no copy for backward, as TE does; RecomputeCopy.BUILD_ONCE saves one "
+            "instead (one quantization less, more memory)")
 
 
 def _kept_under_fsdp2(ctx: WorkspaceContext, cache: CacheAction) -> bool:
@@ -78,4 +85,7 @@ def _cache_note(ctx: WorkspaceContext, cache: CacheAction) -> str:
         return "no microbatch position: not cached"
     if ctx.grad_enabled and not ctx.capabilities.requantization_safe:
         return f"{ctx.capabilities.name} does not requantize exactly: reusing would differ from TE, not cached"
+    if ctx.grad_enabled and ctx.sharding.is_fsdp2:
+        return ("FSDP2: every microbatch quantizes again, as TE does; MicrobatchCache.EXACT_FORMATS "
+                "caches instead (one copy per weight for the step)")
     return "no backward to drop a cache after: not cached"

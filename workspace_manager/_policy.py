@@ -31,11 +31,13 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
     derives col in quantizer-owned memory ─► cleared after B_i
     (Release.DERIVED_COLUMNWISE); FSDP2 frees only what it allocated.
 
-  FSDP2WorkspacePolicy, reshard_after_forward=False, with microbatches
-  (quantizers that requantize exactly; others as without microbatches)
+  FSDP2WorkspacePolicy, reshard_after_forward=False
+    as reshard_after_forward=True, microbatches or not: every microbatch
+    quantizes again (TE's behaviour).
+    option microbatch_cache=MicrobatchCache.EXACT_FORMATS, with microbatches
+    (quantizers that requantize exactly; others as without the option)
     first F_i: FILL row+col ─► saved ─► reused by every later microbatch
     the step's last B_i done ─► cache dropped (Release.CACHED_WORKSPACE)
-    without microbatches: as reshard_after_forward=True.
 
   RecomputeWorkspacePolicy(inner) (te.checkpoint, LayerNormMLP(checkpoint=True))
     first pass F_i (reentrant, no grad): quantize row (row+col only when
@@ -45,11 +47,12 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
     recompute pass F_i: cache READ_ONLY, never written ─► quantize row+col
     ─► saved ─► B_i follows at once ─► freed; the inner policy decides
     caching and what is released.
-    exception, te.checkpoint (RecomputeScope.REGION) with an inner policy
-    that requantizes in backward (FSDP2) and a quantizer that does not
-    requantize exactly (delayed scaling): recompute pass F_i quantizes row
-    ─► nothing saved; B_i quantizes col as the inner policy does, with the
-    scale of backward time, as TE does.
+    te.checkpoint (RecomputeScope.REGION) with an inner policy that
+    requantizes in backward (FSDP2): recompute pass F_i quantizes row ─►
+    nothing saved; B_i quantizes col as the inner policy does, as TE does.
+    option recompute_copy=RecomputeCopy.BUILD_ONCE (quantizers that
+    requantize exactly): that pass too quantizes row+col ─► saved ─► B_i
+    quantizes nothing.
 
   DistributedWeightWorkspacePolicy
     F_i: quantize row of the gathered weight ─► freed (nothing saved)
@@ -75,6 +78,7 @@ notes, which are presentation, in ``_notes.py``.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -91,6 +95,8 @@ from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
 __all__ = [
+    "MicrobatchCache",
+    "RecomputeCopy",
     "LeanWorkspacePolicy",
     "KeepForBackwardWorkspacePolicy",
     "WorkspacePolicy",
@@ -100,6 +106,46 @@ __all__ = [
     "backward_usage",
     "base_policy_for",
 ]
+
+
+class MicrobatchCache(enum.Enum):
+    """Option of :class:`FSDP2WorkspacePolicy` (and its subclasses): whether
+    one workspace per weight serves every microbatch of a step under FSDP2
+    with ``reshard_after_forward=False`` (docs/decisions.md, D4)."""
+
+    #: The default, as TE: every microbatch quantizes every weight again and
+    #: no quantized copy outlives its microbatch's backward.
+    OFF = "off"
+    #: For quantizers that requantize exactly (``requantization_safe``):
+    #: the first microbatch fills one workspace per weight, later ones reuse
+    #: it, and it is dropped after the step's last backward. Costs one
+    #: quantized copy per weight for the whole step, for fewer quantizations.
+    EXACT_FORMATS = "exact_formats"
+
+
+class RecomputeCopy(enum.Enum):
+    """Option of :class:`RecomputeWorkspacePolicy`: in a ``te.checkpoint``
+    recompute pass whose inner policy quantizes again in backward (FSDP2),
+    who builds the copy dgrad reads (docs/decisions.md, D3)."""
+
+    #: The default, as TE: the pass quantizes rowwise data only and saves
+    #: nothing; backward quantizes the weight it gathers again.
+    AS_TE = "as_te"
+    #: For quantizers that requantize exactly (``requantization_safe``): the
+    #: pass builds the usages backward reads and saves them for the backward
+    #: that follows at once, so the weight is quantized once instead of twice.
+    #: Costs the pass's columnwise copy from the pass to that backward.
+    BUILD_ONCE = "build_once"
+
+
+def _require_option(policy: object, name: str, value: object, kind: type[enum.Enum]) -> None:
+    """A policy option must be a member of its enum: a bool or a string
+    would silently select a branch."""
+    if not isinstance(value, kind):
+        choices = ", ".join(f"{kind.__name__}.{m.name}" for m in kind)
+        raise ContextTypeError(
+            f"{type(policy).__name__}({name}=...) expects one of {choices}; received {value!r}"
+        )
 
 
 def backward_usage(ctx: WorkspaceContext, source: BackwardSource) -> Usage:
@@ -276,17 +322,31 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
     again (TE#2681). A quantized parameter is saved as the gathered
     parameter; columnwise data its backward gather derives in
     quantizer-owned memory is cleared after that layer's backward (TE#2717).
-    With ``reshard_after_forward=False`` and microbatch positions, the
-    gathered weight stays between microbatches, so one workspace per weight
-    is filled on the first microbatch, reused by the later ones, and
-    dropped after the step's last backward; only for quantizers that
-    requantize exactly, since stock TE quantizes every microbatch again.
+    With ``reshard_after_forward=False`` the same holds by default: every
+    microbatch quantizes every weight again, as TE does.
+
+    Option ``microbatch_cache`` (:class:`MicrobatchCache`, default ``OFF``):
+    ``EXACT_FORMATS`` lets the gathered weight that stays between
+    microbatches (``reshard_after_forward=False``) be quantized once per
+    step: one workspace per weight is filled on the first microbatch, reused
+    by the later ones, and dropped after the step's last backward. Only for
+    quantizers that requantize exactly, since stock TE quantizes every
+    microbatch again. Trade-off: one quantized copy per weight held for the
+    whole step, for fewer quantizations; off by default because no
+    step-time gain has been measured (docs/decisions.md, D4).
     """
 
     shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
     label: ClassVar[str] = "fsdp2"
+    microbatch_cache: MicrobatchCache = MicrobatchCache.OFF
+
+    def __post_init__(self) -> None:
+        _require_option(self, "microbatch_cache", self.microbatch_cache, MicrobatchCache)
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
+        if self.microbatch_cache is MicrobatchCache.OFF:
+            # TE's cache_name is None under FSDP2: nothing is cached.
+            return CacheAction.BYPASS
         if ctx.sharding is Sharding.FSDP2_RESHARD or not ctx.grad_enabled:
             # Resharding frees the gathered weight after each forward; a
             # cached quantized copy would keep it alive per layer. Without
@@ -396,7 +456,8 @@ class KeepForBackwardWorkspacePolicy(FSDP2WorkspacePolicy):
     the kept copy would carry the forward's scale where stock TE's rebuild
     uses the scale of backward time, changing dgrad, so those calls are
     planned as :class:`FSDP2WorkspacePolicy` plans them. Quantized
-    parameters, microbatch caches and releases are planned as
+    parameters, microbatch caches (the inherited ``microbatch_cache``
+    option, off by default) and releases are planned as
     FSDP2WorkspacePolicy plans them.
     """
 
@@ -454,15 +515,29 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     Keeps alive: in the first pass, nothing for backward (its saved tensors
     are dropped); columnwise data is built only when the pass fills a cache
     that the recompute pass will read. In the recompute pass the cache is
-    only read, never written; the workspace is built with the usages
-    backward needs and saved, since that layer's backward follows at once,
-    so it is never quantized twice (except where that would change dgrad's
-    bytes: see ``_RecomputeCall.rebuilds_as_inner``). Caching and what is
-    released after backward are the inner policy's decisions. Calls outside
-    a recompute region are planned by ``inner`` unchanged.
+    only read, never written. Where the inner policy keeps forward's copy
+    for backward (whole weights), the pass builds the usages backward needs
+    and saves them, since that layer's backward follows at once. Where the
+    inner policy quantizes again in backward (FSDP2), a ``te.checkpoint``
+    pass does as TE does: rowwise data only, nothing saved, and backward
+    quantizes again (see ``_RecomputeCall.rebuilds_as_inner``); a module's
+    own recompute (``LayerNormMLP(checkpoint=True)``) hands its copy to
+    backward, as TE does. Caching and what is released after backward are
+    the inner policy's decisions. Calls outside a recompute region are
+    planned by ``inner`` unchanged.
+
+    Option ``recompute_copy`` (:class:`RecomputeCopy`, default ``AS_TE``):
+    ``BUILD_ONCE`` makes a ``te.checkpoint`` recompute pass under FSDP2
+    build the columnwise data too and save it for the backward that follows,
+    so the weight is quantized once instead of twice; only for quantizers
+    that requantize exactly (with delayed scaling the pass's copy carries
+    the first pass's scale, where TE's rebuild uses backward's). Trade-off:
+    +1.8 to +2.3% peak memory measured with current and block scaling, for a
+    step-time gain not measured yet (docs/decisions.md, D3).
     """
 
     inner: WorkspacePolicy = field(default_factory=WorkspacePolicy)
+    recompute_copy: RecomputeCopy = RecomputeCopy.AS_TE
     label: ClassVar[str] = "recompute"
 
     def __post_init__(self) -> None:
@@ -471,6 +546,7 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
                 "RecomputeWorkspacePolicy.inner must be a non-recompute WorkspacePolicy "
                 f"(e.g. FSDP2WorkspacePolicy()); received {self.inner!r}"
             )
+        _require_option(self, "recompute_copy", self.recompute_copy, RecomputeCopy)
 
     @property
     def shardings(self) -> frozenset[Sharding]:  # type: ignore[override]
@@ -503,7 +579,7 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     def _plan_from(self, ctx: WorkspaceContext, plain: WorkspaceContext) -> WorkspacePlan:
         if ctx.recompute is RecomputePass.NONE:
             return self.inner._plan_unchecked(ctx)
-        call = _RecomputeCall.of(self.inner, plain)
+        call = _RecomputeCall.of(self.inner, plain, self.recompute_copy)
         if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
             # Non-reentrant checkpointing: backward runs this pass's autograd
             # nodes with the tensors the recompute pass saves, matched by
@@ -520,7 +596,7 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     # The questions, one at a time (each derives the inner view for itself;
     # ``plan`` derives it once for all of them).
     def _call(self, ctx: WorkspaceContext) -> _RecomputeCall:
-        return _RecomputeCall.of(self.inner, ctx.as_plain_forward())
+        return _RecomputeCall.of(self.inner, ctx.as_plain_forward(), self.recompute_copy)
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         return self._call(ctx).cache_action(ctx)
@@ -546,18 +622,20 @@ class _RecomputeCall:
     """A recompute pass's call as its inner policy sees it, derived once per
     call: the call without its pass (``plain``), the step's real forward
     with grad even when a reentrant first pass runs without it
-    (``training``), and the inner policy's cache action for that forward.
-    Answers the recompute policy's questions for a context of either pass."""
+    (``training``), the inner policy's cache action for that forward, and
+    the recompute policy's ``recompute_copy`` option. Answers the recompute
+    policy's questions for a context of either pass."""
 
     inner: WorkspacePolicy
     plain: WorkspaceContext
     training: WorkspaceContext
     inner_cache: CacheAction
+    copy: RecomputeCopy
 
     @classmethod
-    def of(cls, inner: WorkspacePolicy, plain: WorkspaceContext) -> _RecomputeCall:
+    def of(cls, inner: WorkspacePolicy, plain: WorkspaceContext, copy: RecomputeCopy) -> _RecomputeCall:
         training = plain if plain.grad_enabled else replace(plain, grad_enabled=True)
-        return cls(inner, plain, training, inner.cache_action(training))
+        return cls(inner, plain, training, inner.cache_action(training), copy)
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         if ctx.recompute is RecomputePass.RECOMPUTE and self.inner_cache is not CacheAction.BYPASS:
@@ -591,17 +669,23 @@ class _RecomputeCall:
         return _source_without_rebuild(ctx)
 
     def rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
-        """Whether the recompute pass must leave dgrad's copy to the inner
+        """Whether the recompute pass leaves dgrad's copy to the inner
         policy's backward rebuild instead of saving its own.
 
-        TE quantizes a region's recompute pass with the scale of the first
-        pass (it puts the delayed-scaling state back), but its backward
-        rebuild (FSDP2) uses the scale current at backward. Only a quantizer
-        that requantizes exactly gives the same bytes both ways; for the
-        others, saving the pass's copy would change dgrad. A module's own
-        recompute is exempt: TE hands that pass's copy to backward itself.
+        By default (``RecomputeCopy.AS_TE``) it does wherever the inner
+        policy rebuilds (FSDP2), as TE's ``te.checkpoint`` pass does: saving
+        the pass's copy would hold it from the pass to backward, which costs
+        peak memory for a gain not measured. ``BUILD_ONCE`` saves it instead,
+        but only for a quantizer that requantizes exactly: TE quantizes a
+        region's recompute pass with the first pass's scale (it puts the
+        delayed-scaling state back), while its backward rebuild uses the
+        scale current at backward, so for the others the saved copy would
+        change dgrad. A module's own recompute is exempt: TE hands that
+        pass's copy to backward itself.
         """
-        if ctx.recompute_scope is RecomputeScope.MODULE or ctx.capabilities.requantization_safe:
+        if ctx.recompute_scope is RecomputeScope.MODULE:
+            return False
+        if self.copy is RecomputeCopy.BUILD_ONCE and ctx.capabilities.requantization_safe:
             return False
         return self.inner.backward_source(self.training, self.inner_cache) is BackwardSource.REQUANTIZE
 

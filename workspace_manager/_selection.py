@@ -22,9 +22,48 @@ from ._context import (
 )
 from ._errors import ContextTypeError
 from ._plan import WorkspacePlan
-from ._policy import RecomputeWorkspacePolicy, WorkspacePolicy, base_policy_for
+from ._policy import (
+    DistributedWeightWorkspacePolicy,
+    FSDP2WorkspacePolicy,
+    KeepForBackwardWorkspacePolicy,
+    LeanWorkspacePolicy,
+    MicrobatchCache,
+    RecomputeCopy,
+    RecomputeWorkspacePolicy,
+    WorkspacePolicy,
+    base_policy_for,
+)
 
-__all__ = ["select_policy", "resolve_policy", "plan_call"]
+__all__ = ["select_policy", "resolve_policy", "plan_call", "named_policy", "POLICY_NAMES"]
+
+#: The shipped policies by name: with their defaults, then with an option
+#: switched on (off by default: docs/decisions.md, D3 and D4). ``explain
+#: --policy NAME`` shows them; tools pin one by name (``named_policy``).
+_NAMED: dict[str, WorkspacePolicy] = {
+    "plain": WorkspacePolicy(),
+    "fsdp2": FSDP2WorkspacePolicy(),
+    "recompute": RecomputeWorkspacePolicy(inner=WorkspacePolicy()),
+    "fsdp2_recompute": RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
+    "distributed_weight": DistributedWeightWorkspacePolicy(),
+    "lean": LeanWorkspacePolicy(),
+    "keep_for_backward": KeepForBackwardWorkspacePolicy(),
+    "fsdp2_microbatch_cache": FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS),
+    "fsdp2_recompute_build_once": RecomputeWorkspacePolicy(
+        inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE),
+}
+
+#: The names :func:`named_policy` knows, in the order ``explain`` shows them.
+POLICY_NAMES: tuple[str, ...] = tuple(_NAMED)
+
+
+def named_policy(name: str) -> WorkspacePolicy:
+    """The shipped policy called ``name`` (one of :data:`POLICY_NAMES`), e.g.
+    ``named_policy("fsdp2_microbatch_cache")`` to pin an option by name.
+    Raises ValueError naming the choices for any other name."""
+    try:
+        return _NAMED[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"no shipped policy is named {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
 
 
 def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:

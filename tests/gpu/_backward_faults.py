@@ -20,13 +20,16 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from workspace_manager import Release, Sharding
+from workspace_manager import FSDP2WorkspacePolicy, MicrobatchCache, Release, Sharding
 
 HIDDEN, FFN, TOKENS = 64, 128, 32
 #: TE's module file of each kind (its ``general_gemm`` is what backward calls).
 TE_FILES = {"Linear": "linear", "LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp"}
 #: The weights each kind plans, by the keys of its cache and plans.
 WEIGHT_KEYS = {"Linear": ("weight",), "LayerNormLinear": ("weight",), "LayerNormMLP": ("fc1_weight", "fc2_weight")}
+#: Pinned where the sharding is described: the microbatch cache is an option
+#: (off by default, docs/decisions.md D4), and the faults test its release.
+CACHE_OPTION = FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)
 
 
 class InjectedFault(RuntimeError):
@@ -47,9 +50,10 @@ class DescribedSharding:
     any object with these members, see ``ModuleWorkspaceState``).
 
     One GPU has no FSDP2 to shard with, yet the plans that release after
-    backward are the FSDP2 ones: ``FSDP2_KEEP`` with microbatches releases
-    the cache (``Release.CACHED_WORKSPACE``), and for quantized parameters
-    the columnwise data (``Release.DERIVED_COLUMNWISE``). Describing the
+    backward are the FSDP2 ones: ``FSDP2_KEEP`` with microbatches and the
+    microbatch cache option releases the cache (``Release.CACHED_WORKSPACE``),
+    and for quantized parameters the columnwise data
+    (``Release.DERIVED_COLUMNWISE``). Describing the
     sharding makes the binding plan and release exactly as it would under
     FSDP2, while TE itself sees a whole weight (``is_fsdp2`` False), which
     it is.
@@ -114,8 +118,9 @@ def build(setup: Setup, recipe):
         module = getattr(ti, setup.kind)(*args, params_dtype=torch.bfloat16, device="cuda")
     if setup.sharding is not Sharding.NONE:
         # The module's state, made before its first call as the binding makes
-        # it (state_of), with the described sharding as its probe.
-        state = ti.ModuleWorkspaceState(module._wm_kind, probe=DescribedSharding(setup.sharding))
+        # it (state_of), with the described sharding as its probe and the
+        # microbatch cache option pinned (quantized parameters are never cached).
+        state = ti.ModuleWorkspaceState(module._wm_kind, CACHE_OPTION, probe=DescribedSharding(setup.sharding))
         module.__dict__["_wm_state"] = state
     return module
 

@@ -7,7 +7,11 @@ fuse_qkv_params, bf16 params, fully_shard per layer and at the root) twice,
 stock and with drop-ins (``managed_construction``), trains 5 steps on the
 same data and records losses, the per-layer forward increment, the backward
 retained delta and peak memory, next to a bf16 baseline. A microbatch run
-(reshard_after_forward=False, 4 microbatches) counts quantizations. An
+(reshard_after_forward=False, 4 microbatches) counts quantizations, for the
+drop-in's defaults and with the microbatch cache option pinned
+(:data:`CACHE_OPTION`). A recompute run compares gradients under
+``te.checkpoint``, for the defaults and with the recompute option pinned
+(:data:`BUILD_ONCE_OPTION`). An
 evidence run lists, by allocation site, what stays allocated after backward
 that was not before it. An attribution run (issue 6) records one step of
 each stack with ``record_workspaces`` and reports what is alive after it.
@@ -37,13 +41,21 @@ from benchmarks._model import make_recipe, optimizer_for, random_pair, rank, rel
 HIDDEN, FFN, HEADS, LAYERS, SEQ, BATCH = 256, 1024, 8, 8, 32, 2
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
 STEPS, WARMUP = 5, 2
+#: The options of the shipped policies (off by default) that some runs pin on
+#: the drop-ins, by their ``explain`` names (docs/decisions.md, D4 and D3).
+CACHE_OPTION = "fsdp2_microbatch_cache"
+BUILD_ONCE_OPTION = "fsdp2_recompute_build_once"
 
 
 def build(managed: bool, recipe, quantized_init: bool, reshard_after_forward: bool = True,
-          size: tuple[int, int, int, int] = (HIDDEN, FFN, HEADS, LAYERS)):
-    """The stack of TE's FSDP2 leak tests, or ``size`` = (hidden, ffn, heads, layers)."""
+          size: tuple[int, int, int, int] = (HIDDEN, FFN, HEADS, LAYERS), policy: str | None = None):
+    """The stack of TE's FSDP2 leak tests, or ``size`` = (hidden, ffn, heads, layers);
+    ``policy``: an ``explain`` policy name pinned on the drop-ins (None: their defaults)."""
+    from workspace_manager import named_policy
+
     return build_stack(*size, recipe=recipe, managed=managed, quantized_init=quantized_init,
-                       reshard_after_forward=reshard_after_forward)
+                       reshard_after_forward=reshard_after_forward,
+                       policy=None if policy is None else named_policy(policy))
 
 
 def data(step: int, micro: int = 0):
@@ -100,19 +112,19 @@ def train_and_measure(model, recipe, baseline: int, batch=data):
     }
 
 
-def recompute_gradients(name: str, mode: str, steps: int = 3) -> dict:
-    """Stock and drop-in under te.checkpoint around every layer: losses, and
-    how many of this rank's gradient shards differ bit for bit at each step.
-    Losses alone hide a dgrad quantized with another scale on this model
-    (below bf16's resolution at a loss of 2); the realistic model showed it
-    at d7db962 (decisions.md, D3)."""
+def recompute_gradients(name: str, mode: str, steps: int = 3, policy: str | None = None) -> dict:
+    """Stock and drop-in (``policy`` pinned, if given) under te.checkpoint
+    around every layer: losses, and how many of this rank's gradient shards
+    differ bit for bit at each step. Losses alone hide a dgrad quantized
+    with another scale on this model (below bf16's resolution at a loss of
+    2); the realistic model showed it at d7db962 (decisions.md, D3)."""
     import transformer_engine.pytorch as te
 
     recipe = make_recipe(name)
-    result = {"recipe": name, "mode": mode}
+    result = {"recipe": name, "mode": mode, "policy": policy}
     grads = {}
     for label, managed in (("stock", False), ("managed", True)):
-        model = build(managed, recipe, False)
+        model = build(managed, recipe, False, policy=policy if managed else None)
         model.checkpoint_mode = mode
         opt = optimizer_for(model)
         losses, grads[label] = [], []
@@ -170,6 +182,11 @@ def run_config(name: str, quantized_init: bool) -> dict:
     return result
 
 
+#: The stacks of a microbatch run: stock, the drop-ins' defaults, and the
+#: drop-ins with the microbatch cache option pinned.
+MICROBATCH_STACKS = (("stock", False, None), ("managed", True, None), ("managed_cache", True, CACHE_OPTION))
+
+
 def run_microbatches(name: str, micro: int = 4) -> dict:
     import transformer_engine.pytorch as te
     import te_integration._seams as seams
@@ -177,9 +194,9 @@ def run_microbatches(name: str, micro: int = 4) -> dict:
     seams.install()  # stock modules then also pass through the counted name
     recipe = make_recipe(name)
     result = {"recipe": name, "microbatches": micro}
-    for label, managed in (("stock", False), ("managed", True)):
+    for label, managed, policy in MICROBATCH_STACKS:
         baseline = allocated()
-        model = build(managed, recipe, False, reshard_after_forward=False)
+        model = build(managed, recipe, False, reshard_after_forward=False, policy=policy)
         opt = optimizer_for(model)
         losses, counts, cached_after = [], [], []
         for step in range(3):
@@ -229,21 +246,23 @@ def _one_step(model, opt, recipe, step: int, micro: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def attribution(name: str, quantized_init: bool, micro: int = 1) -> dict:
+def attribution(name: str, quantized_init: bool, micro: int = 1, policy: str | None = None) -> dict:
     """Issue 6: three steps of each stack, each recorded and followed by a
     report; the third step's timeline (a point at every TE module's forward
     and backward boundary) and report are kept. Stock
     modules are observed through the same seams, with no plan. ``micro`` > 1:
-    reshard_after_forward=False with that many microbatches."""
+    reshard_after_forward=False with that many microbatches. ``policy``: an
+    ``explain`` policy name pinned on the drop-ins."""
     import te_integration as ti
     import te_integration._seams as seams
 
     seams.install()
     recipe = make_recipe(name)
-    result = {"recipe": name, "quantized_init": quantized_init, "microbatches": micro}
+    result = {"recipe": name, "quantized_init": quantized_init, "microbatches": micro, "policy": policy}
     for label, managed in (("stock", False), ("managed", True)):
         baseline = allocated()
-        model = build(managed, recipe, quantized_init, reshard_after_forward=micro == 1)
+        model = build(managed, recipe, quantized_init, reshard_after_forward=micro == 1,
+                      policy=policy if managed else None)
         opt = optimizer_for(model)
         leftovers = []
         for step in range(3):  # every step recorded; the last one's timeline kept
@@ -330,12 +349,17 @@ def run_cases(report: dict, quick: bool, attribution_only: bool) -> None:
     for name in RECIPES[: 1 if quick else 3]:
         guard(report, f"attribution {name} microbatches",
               lambda: report["attribution"].append(attribution(name, False, micro=4)))
+    for name in RECIPES[1: 2 if quick else 3]:  # the recipes the microbatch cache option caches
+        guard(report, f"attribution {name} microbatches {CACHE_OPTION}",
+              lambda: report["attribution"].append(attribution(name, False, micro=4, policy=CACHE_OPTION)))
     for name, managed in () if attribution_only else (("bf16", False), ("Float8CurrentScaling", False),
                                                         ("Float8CurrentScaling", True)):
         guard(report, f"evidence {name}", lambda: report["evidence"].append(retained_by_site(name, managed=managed)))
-    for name, mode in [] if attribution_only else [(r, m) for r in RECIPES for m in ("nonreentrant", "reentrant")]:
-        guard(report, f"recompute {name} {mode}",
-              lambda: report["recompute"].append(recompute_gradients(name, mode)))
+    recompute_cases = [(r, m, p) for r in RECIPES for m in ("nonreentrant", "reentrant")
+                       for p in (None, BUILD_ONCE_OPTION)]
+    for name, mode, policy in [] if attribution_only else recompute_cases:
+        guard(report, f"recompute {name} {mode} {policy or 'defaults'}",
+              lambda: report["recompute"].append(recompute_gradients(name, mode, policy=policy)))
 
 
 def main() -> int:

@@ -3,8 +3,11 @@
 Run as ``torchrun --nproc_per_node=N tests/gpu/_mode_switch.py OUT.json`` (N = 1 or 2).
 For each sm_90 recipe it builds the stack of ``_fsdp2_stack`` (8 x
 TransformerLayer(256, 1024, 8 heads), bf16 params, ``fully_shard`` per
-layer and at the root with ``reshard_after_forward=False``) twice, stock and
-with drop-ins, and trains both through the same :data:`PHASES`, switching
+layer and at the root with ``reshard_after_forward=False``) three times:
+stock, with drop-ins (their defaults), and with drop-ins that have the
+microbatch cache option pinned (:data:`DROP_INS`; off by default,
+docs/decisions.md D4, so only this stack keeps a cache across a keep
+phase's microbatches), and trains each through the same :data:`PHASES`, switching
 ``set_reshard_after_forward`` and ``set_reshard_after_backward`` between
 them. Per phase it records the losses, the sharding the drop-ins planned
 for, what ``workspace_report`` lists before and after each optimizer step,
@@ -18,12 +21,14 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from _fsdp2_stack import RECIPES, build, forward_backward  # first: it puts the repository root on sys.path
+from _fsdp2_stack import CACHE_OPTION, RECIPES, build, forward_backward  # first: puts the repo root on sys.path
 
 from benchmarks._dist import guard, run_worker
 from benchmarks._model import allocated, make_recipe, optimizer_for, recipe_skip_reason, release_memory
 
 STEPS_PER_PHASE = 2
+#: The drop-in stacks by report key: their defaults, and the microbatch cache option pinned.
+DROP_INS = {"managed": None, "managed_cache": CACHE_OPTION}
 #: The layer whose drop-ins' plans are recorded (any inner one would do).
 PLAN_LAYER = 3
 
@@ -141,10 +146,11 @@ def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: boo
     return out
 
 
-def run_stack(name: str, managed: bool) -> list[dict]:
-    """One stack through every phase; one result per phase."""
+def run_stack(name: str, managed: bool, policy: str | None = None) -> list[dict]:
+    """One stack through every phase (``policy`` pinned on the drop-ins, if
+    given); one result per phase."""
     recipe = make_recipe(name)
-    model = build(managed, recipe, False, reshard_after_forward=False)
+    model = build(managed, recipe, False, reshard_after_forward=False, policy=policy)
     opt = optimizer_for(model)
     meter = ForwardIncrement(model)
     try:
@@ -172,8 +178,9 @@ def run_cases(report: dict) -> None:
         if reason:
             report["unsupported"][name] = reason
             continue
-        guard(report, name, lambda: report["recipes"].update(
-            {name: {"stock": run_stack(name, managed=False), "managed": run_stack(name, managed=True)}}))
+        guard(report, name, lambda: report["recipes"].update({name: {
+            "stock": run_stack(name, managed=False),
+            **{key: run_stack(name, managed=True, policy=policy) for key, policy in DROP_INS.items()}}}))
 
 
 def main() -> int:

@@ -115,6 +115,7 @@ def _expected_release(quantized: bool, sharding: str):
 
     if sharding == "whole":
         return Release.NOTHING  # whole weights keep their cache from step to step
+    # FSDP2_KEEP, with the microbatch cache option pinned (_backward_faults.CACHE_OPTION).
     return Release.DERIVED_COLUMNWISE if quantized else Release.CACHED_WORKSPACE
 
 

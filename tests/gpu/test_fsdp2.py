@@ -87,54 +87,78 @@ def test_memory_no_more_than_stock(report, recipe, qinit):
         assert c["managed"][key] <= c["stock"][key], (key, c["managed"][key], c["stock"][key])
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_microbatches_reuse_workspaces_and_free_them_after_the_step(report, recipe):
+def _microbatch_run(report, recipe):
     runs = [r for r in report["microbatches"] if r["recipe"] == recipe]
     assert runs, report["errors"]
-    r = runs[0]
+    return runs[0]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_microbatches_quantize_as_stock_does_by_default(report, recipe):
+    """The microbatch cache is an option, off by default (docs/decisions.md,
+    D4): the drop-ins quantize every weight on every microbatch, as stock TE
+    does under FSDP2, and keep no cache."""
+    r = _microbatch_run(report, recipe)
     assert r["managed"]["losses"] == r["stock"]["losses"]
-    pairs = list(zip(r["managed"]["quantizations_per_step"], r["stock"]["quantizations_per_step"]))
+    assert r["managed"]["quantizations_per_step"] == r["stock"]["quantizations_per_step"]
+    assert r["managed"]["cached_workspaces_after_step"] == [0, 0, 0]
+    assert r["managed"]["after_step_mib"] <= r["stock"]["after_step_mib"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_microbatch_cache_option_reuses_workspaces_and_frees_them_after_the_step(report, recipe):
+    """``fsdp2_microbatch_cache`` pinned: one quantization per weight a step
+    for formats that requantize exactly, losses identical, nothing cached
+    after the step."""
+    r = _microbatch_run(report, recipe)
+    assert r["managed_cache"]["losses"] == r["stock"]["losses"]
+    pairs = list(zip(r["managed_cache"]["quantizations_per_step"], r["stock"]["quantizations_per_step"]))
     if recipe == "DelayedScaling":
-        # Not requantization-safe: the policy declines to cache (docs/decisions.md D4).
+        # Not requantization-safe: the option declines to cache (docs/decisions.md D4).
         assert all(m == s for m, s in pairs), pairs
     else:
         assert all(m < s for m, s in pairs), pairs
-    assert r["managed"]["cached_workspaces_after_step"] == [0, 0, 0]
-    assert r["managed"]["after_step_mib"] <= r["stock"]["after_step_mib"]
+    assert r["managed_cache"]["cached_workspaces_after_step"] == [0, 0, 0]
+    assert r["managed_cache"]["after_step_mib"] <= r["stock"]["after_step_mib"]
 
 
 # -- workspace attribution (issue 6) -------------------------------------------------------
 ATTRIBUTION_KIB_PER_LAYER = 64
 
 
-def _attribution(report, recipe, qinit, micro=1):
+def _attribution(report, recipe, qinit, micro=1, policy=None):
     for a in report["attribution"]:
-        if (a["recipe"], a["quantized_init"], a["microbatches"]) == (recipe, qinit, micro):
+        if (a["recipe"], a["quantized_init"], a["microbatches"], a.get("policy")) == (recipe, qinit, micro, policy):
             return a
     skip_known_te_failure(report, recipe, qinit)
-    pytest.fail(f"no attribution run for {recipe} qinit={qinit} microbatches={micro}; errors: {report['errors']}")
+    pytest.fail(f"no attribution run for {recipe} qinit={qinit} microbatches={micro} policy={policy}; "
+                f"errors: {report['errors']}")
 
 
-ATTRIBUTION_CASES = [(r, q, 1) for r in RECIPES for q in (False, True)] + [(r, False, 4) for r in RECIPES]
-ATTRIBUTION_IDS = [f"{r}-{'qinit' if q else 'bf16'}-{m}mb" for r, q, m in ATTRIBUTION_CASES]
+#: The recipes the microbatch cache option caches (they requantize exactly).
+CACHING = ["Float8CurrentScaling", "Float8BlockScaling"]
+CACHE_OPTION = "fsdp2_microbatch_cache"
+ATTRIBUTION_CASES = ([(r, q, 1, None) for r in RECIPES for q in (False, True)] + [(r, False, 4, None) for r in RECIPES]
+                     + [(r, False, 4, CACHE_OPTION) for r in CACHING])
+ATTRIBUTION_IDS = [f"{r}-{'qinit' if q else 'bf16'}-{m}mb" + (f"-{p}" if p else "") for r, q, m, p in ATTRIBUTION_CASES]
 
 
-@pytest.mark.parametrize("recipe, qinit, micro", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
-def test_report_after_a_step_lists_no_leftover_workspace(report, recipe, qinit, micro):
-    run = _attribution(report, recipe, qinit, micro)["managed"]
+@pytest.mark.parametrize("recipe, qinit, micro, policy", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
+def test_report_after_a_step_lists_no_leftover_workspace(report, recipe, qinit, micro, policy):
+    run = _attribution(report, recipe, qinit, micro, policy)["managed"]
     assert run["leftovers_per_step"] == [[], [], []], run["after_step_table"]
     assert len(run["timeline"]) > 8 * 4, "the recording saw too few boundaries"
 
 
-@pytest.mark.parametrize("recipe, qinit, micro", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
-def test_reported_bytes_agree_with_allocated_memory(report, recipe, qinit, micro):
+@pytest.mark.parametrize("recipe, qinit, micro, policy", ATTRIBUTION_CASES, ids=ATTRIBUTION_IDS)
+def test_reported_bytes_agree_with_allocated_memory(report, recipe, qinit, micro, policy):
     """At every forward/backward boundary of the recorded step, the
     difference in live workspace bytes between stock and drop-in equals the
     difference in ``torch.cuda.memory_allocated`` (each over what was
     allocated before its model was built), within 64 KiB per layer."""
     from benchmarks.timeline import disagreement
 
-    run = _attribution(report, recipe, qinit, micro)
+    run = _attribution(report, recipe, qinit, micro, policy)
     stock, managed = run["stock"], run["managed"]
     assert [p["label"] for p in stock["timeline"]] == [p["label"] for p in managed["timeline"]]
     assert all(p["allocated_bytes"] is not None for p in stock["timeline"] + managed["timeline"])
@@ -142,24 +166,39 @@ def test_reported_bytes_agree_with_allocated_memory(report, recipe, qinit, micro
     assert worst <= ATTRIBUTION_KIB_PER_LAYER * 1024 * 8, f"worst disagreement {worst / 1024:.1f} KiB"
 
 
-@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
-def test_microbatch_cache_is_attributed_and_gone_after_the_step(report, recipe):
-    """The cache the drop-in keeps for the step's microbatches shows in the
-    timeline as cached workspace bytes, and is gone after the step."""
-    run = _attribution(report, recipe, False, 4)["managed"]
+@pytest.mark.parametrize("recipe", CACHING)
+def test_microbatch_cache_option_is_attributed_and_gone_after_the_step(report, recipe):
+    """The cache the drop-in keeps for the step's microbatches, with the
+    microbatch cache option pinned, shows in the timeline as cached
+    workspace bytes, and is gone after the step."""
+    run = _attribution(report, recipe, False, 4, CACHE_OPTION)["managed"]
     assert max(p["total_bytes"] for p in run["timeline"]) > 0
     assert run["after_step"]["by_kind"].get("cached", 0) == 0, run["after_step_table"]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_microbatches_keep_no_workspace_in_the_step_by_default(report, recipe):
+    """Without the option, the drop-in holds no workspace of a high-precision
+    weight at any boundary of a microbatched step, as stock TE does (at
+    c06af9d, DelayedScaling, which the option never caches, showed 0 MiB)."""
+    run = _attribution(report, recipe, False, 4)["managed"]
+    assert max(p["total_bytes"] for p in run["timeline"]) == 0, run["after_step_table"]
+
+
+@pytest.mark.parametrize("policy", [None, "fsdp2_recompute_build_once"], ids=["defaults", "build_once"])
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recompute_gradients_identical_to_stock(report, recipe, mode):
+def test_recompute_gradients_identical_to_stock(report, recipe, mode, policy):
     """te.checkpoint around every layer under FSDP2: every gradient shard is
-    bit-identical to stock's at every step, and so are the losses. With
-    DelayedScaling this needs the recompute pass to leave dgrad's copy to
-    TE's backward rebuild (decisions.md, D3). Passed on 2x H200 at c06af9d
-    (benchmarks/results/bench-2026-11-30-c06af9d/gpu-tests)."""
-    runs = [r for r in report["recompute"] if r["recipe"] == recipe and r["mode"] == mode]
+    bit-identical to stock's at every step, and so are the losses, with the
+    drop-ins' defaults (the recompute pass leaves dgrad's copy to TE's
+    backward rebuild, as TE does) and with the option that builds it once
+    and saves it (decisions.md, D3): for DelayedScaling the option still
+    leaves it to the rebuild, for the others the saved copy equals the
+    rebuild bit for bit. Both passed on 2x H200 at c06af9d, when building
+    once was the default (benchmarks/results/bench-2026-11-30-c06af9d/gpu-tests)."""
+    runs = [r for r in report["recompute"]
+            if r["recipe"] == recipe and r["mode"] == mode and r.get("policy") == policy]
     assert runs, report["errors"]
     run = runs[0]
     assert run["managed"]["losses"] == run["stock"]["losses"]

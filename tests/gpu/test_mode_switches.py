@@ -1,9 +1,10 @@
 """FSDP2 mode switches mid-training: the drop-ins follow them at once.
 
 One torchrun launch (``_mode_switch.py``, at world size = GPUs present, 1 or
-2) trains a stock and a drop-in stack through phases separated by
+2) trains a stock stack and two drop-in stacks (their defaults, and the
+microbatch cache option pinned) through phases separated by
 ``set_reshard_after_forward`` and ``set_reshard_after_backward`` switches;
-the tests below read its report, phase by phase.
+the tests below read its report, phase by phase, for each drop-in stack.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning",
                                                         "ignore::FutureWarning")]
 
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
-#: Recipes whose quantizers requantize exactly: the drop-ins cache one
-#: workspace per weight across a step's microbatches when forward keeps the
-#: gathered weight (DelayedScaling does not: docs/decisions.md, D4).
+#: The drop-in stacks of the report: the defaults ("managed"), and the
+#: microbatch cache option pinned ("managed_cache"; off by default).
+DROP_INS = ["managed", "managed_cache"]
+#: Recipes whose quantizers requantize exactly: with the microbatch cache
+#: option, the drop-ins cache one workspace per weight across a step's
+#: microbatches when forward keeps the gathered weight (DelayedScaling does
+#: not: docs/decisions.md, D4).
 CACHING = {"Float8CurrentScaling", "Float8BlockScaling"}
 FWD_KIB_PER_LAYER = 50
 
@@ -32,18 +37,19 @@ def report(tmp_path_factory):
                            keep_env="TE_WM_MODE_SWITCH_REPORT", timeout=600)
 
 
-@pytest.fixture(params=RECIPES)
+@pytest.fixture(params=[(r, d) for r in RECIPES for d in DROP_INS], ids=lambda p: f"{p[0]}-{p[1]}")
 def runs(request, report):
-    """(phases, stock results, drop-in results) of one recipe."""
-    name = request.param
+    """(recipe, drop-in stack, phases, stock results, drop-in results) of one
+    recipe and one drop-in stack."""
+    name, drop_in = request.param
     reason = recipe_skip_reason(name) or report["unsupported"].get(name)
     if reason:
         pytest.skip(reason)
     if name not in report["recipes"]:
         pytest.fail(f"no result for {name}; errors: {report['errors']}")
     result = report["recipes"][name]
-    assert len(result["managed"]) == len(result["stock"]) == len(report["phases"])
-    return name, report["phases"], result["stock"], result["managed"]
+    assert len(result[drop_in]) == len(result["stock"]) == len(report["phases"])
+    return name, drop_in, report["phases"], result["stock"], result[drop_in]
 
 
 def _expected_sharding(phase: dict) -> str:
@@ -70,7 +76,7 @@ def test_phases_switch_both_ways(report):
 
 def test_losses_identical_to_stock_in_every_phase(runs, report):
     """Every microbatch's loss equals stock's exactly (float equality)."""
-    _, phases, stock, managed = runs
+    _, _, phases, stock, managed = runs
     for phase, s, m in zip(phases, stock, managed):
         shape = [len(step) for step in m["losses"]]
         assert shape == [phase["microbatches"]] * report["steps_per_phase"], (phase["name"], shape)
@@ -81,7 +87,7 @@ def test_planned_sharding_follows_every_switch(runs):
     """After each step, the plans of one layer's drop-ins (every weight of
     its LayerNormLinear, Linear and LayerNormMLP) name the sharding the
     phase set: FSDP2_KEEP or FSDP2_RESHARD, never the one before the switch."""
-    _, phases, _, managed = runs
+    _, _, phases, _, managed = runs
     for phase, m in zip(phases, managed):
         want = _expected_sharding(phase)
         for shardings in m["plan_sharding"]:
@@ -92,19 +98,21 @@ def test_planned_sharding_follows_every_switch(runs):
 
 def test_no_workspace_left_after_any_step(runs):
     """``workspace_report`` lists nothing after each optimizer step, nor is
-    a drop-in left mid-call. Before the step it lists the microbatch cache
-    where the plan keeps one (forward keeps the weight, a caching recipe),
-    so the empty report after it is the release, not a report blind to it;
-    where forward reshards there is no cache even before the step."""
-    name, phases, _, managed = runs
+    a drop-in left mid-call. With the microbatch cache option, before the
+    step it lists the cache where the plan keeps one (forward keeps the
+    weight, a caching recipe), so the empty report after it is the release,
+    not a report blind to it. Where forward reshards, or with the defaults
+    (which cache nothing under FSDP2, as stock TE), there is no workspace
+    even before the step."""
+    name, drop_in, phases, _, managed = runs
     for phase, m in zip(phases, managed):
         assert m["report_entries_after_step"] == [0] * len(m["losses"]), (phase["name"], m["after_step_tables"])
         assert m["in_flight_after_step"] == [0] * len(m["losses"]), phase["name"]
         before = m["report_entries_before_step"]
-        if phase["reshard_after_forward"]:
-            assert before == [0] * len(before), (phase["name"], before)
-        elif name in CACHING:
+        if drop_in == "managed_cache" and not phase["reshard_after_forward"] and name in CACHING:
             assert all(n > 0 for n in before), (phase["name"], before)
+        else:
+            assert before == [0] * len(before), (phase["name"], before)
 
 
 def test_reshard_phases_forward_increment_within_50_kib_of_bf16(runs, report):
@@ -112,7 +120,7 @@ def test_reshard_phases_forward_increment_within_50_kib_of_bf16(runs, report):
     stays within bf16's (FP8 off, same phases) + 50 KiB: no workspace
     outlives its layer's forward, also right after a switch."""
     assert report["bf16"] is not None, report["errors"]
-    _, phases, stock, managed = runs
+    _, _, phases, stock, managed = runs
     measured = 0
     for phase, base, s, m in zip(phases, report["bf16"], stock, managed):
         if not phase["reshard_after_forward"]:

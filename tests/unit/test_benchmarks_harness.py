@@ -151,9 +151,16 @@ def test_other_plans():
     mb = microbatch.plan(microbatch.parse(["--quick"]), None, 2, 141.0)
     assert {j.meta["microbatches"] for j in mb} == {4, 8}
     assert all(not j.spec.reshard_after_forward and j.spec.variant != "bf16" for j in mb)
+    # The microbatch benchmark measures the cache, an option off by default: pinned on the drop-ins only.
+    assert {(j.spec.variant, j.spec.policy) for j in mb} == {("stock", None), ("dropin", "fsdp2_microbatch_cache")}
     rc = recompute.plan(recompute.parse([]), None, 2, 141.0)
     assert {j.spec.checkpoint for j in rc} == {"nonreentrant", "reentrant"}
     assert sum(j.spec.variant == "bf16" for j in rc) == 4  # per mode x size
+    assert {j.spec.policy for j in rc} == {None}  # the drop-ins' defaults unless asked
+    once = recompute.plan(recompute.parse(["--policy", "fsdp2_recompute_build_once"]), None, 2, 141.0)
+    assert {j.spec.policy for j in once if j.spec.variant == "dropin"} == {"fsdp2_recompute_build_once"}
+    assert {j.spec.policy for j in once if j.spec.variant != "dropin"} == {None}
+    assert all(j.meta["case"].endswith("policy fsdp2_recompute_build_once") for j in once if j.spec.variant != "bf16")
     sk = soak.plan(soak.parse([]), None, 2, 141.0)
     assert {j.spec.size.name for j in sk} == {"realistic"} and len(sk) == 6
 
@@ -443,26 +450,54 @@ def test_step_time_summary_reads_the_drop_in_against_stock_and_the_control():
     assert [t["variant"] for t in timings] == ["stock", "drop-in", "stock again"]
 
 
-def test_step_time_microbatch_cases_keep_the_weights_and_want_a_faster_step():
+def _dropin_row(sample: dict) -> dict:
+    return next(r for r in step_time.case_rows("c", sample) if r["metric"] == "median step time")
+
+
+def test_step_time_microbatch_cases_keep_the_weights_and_want_stocks_step_by_default():
     args = step_time.parse(["--quick", "--microbatches", "1,4"])
     jobs = step_time.plan(args, None, 2, 141.0)
     cases = [j.meta["case"] for j in jobs]
     assert cases[:3] == [f"leak 8L {r} bf16 params" for r in h.RECIPES]
     assert cases[3:] == [f"leak 8L {r} bf16 params x4 microbatches" for r in h.RECIPES]
     assert [j.meta["microbatches"] for j in jobs] == [1, 1, 1, 4, 4, 4]
+    assert {j.meta["policy"] for j in jobs} == {None} and {j.spec.policy for j in jobs} == {None}
     keep = step_time.case_specs("leak", 8, "Float8CurrentScaling", "bf16", micro=4)
     assert not any(s.reshard_after_forward for s in keep.values())
     assert all(s.reshard_after_forward for s in step_time.case_specs("leak", 8, "Float8CurrentScaling",
                                                                      "bf16").values())
     base = [100.0 + i % 5 for i in range(12)]
-    # 0.5% slower passes the one-microbatch target (<= 1.01) but not the microbatch one (< 1.00).
-    slower = [t * 1.005 for t in base]
-    for micro, expected in ((1, True), (4, False)):
-        sample = {**_paired_sample("c", base, slower, base), "microbatches": micro}
-        row = next(r for r in step_time.case_rows("c", sample) if r["metric"] == "median step time")
-        assert row["ok"] is expected, (micro, row)
-    faster = {**_paired_sample("c", base, [t * 0.9 for t in base], base), "microbatches": 8}
-    assert next(r for r in step_time.case_rows("c", faster) if r["metric"] == "median step time")["ok"] is True
+    # The defaults quantize as stock does (the microbatch cache is an option): <= 1.01 either way.
+    for micro, ratio, expected in ((1, 1.005, True), (4, 1.005, True), (4, 1.02, False)):
+        sample = {**_paired_sample("c", base, [t * ratio for t in base], base), "microbatches": micro}
+        assert _dropin_row(sample)["ok"] is expected, (micro, ratio)
+
+
+def test_step_time_pins_an_option_on_the_drop_in_and_wants_two_percent_from_it():
+    args = step_time.parse(["--quick", "--microbatches", "4", "--policy", "fsdp2_microbatch_cache"])
+    jobs = step_time.plan(args, None, 2, 141.0)
+    assert [j.meta["case"] for j in jobs] == [
+        f"leak 8L {r} bf16 params x4 microbatches policy fsdp2_microbatch_cache" for r in h.RECIPES]
+    specs = step_time.case_specs("leak", 8, "Float8CurrentScaling", "bf16", micro=4, policy="fsdp2_microbatch_cache")
+    assert [s.policy for s in specs.values()] == [None, "fsdp2_microbatch_cache", None]  # stock models stay stock
+    assert {s.checkpoint for s in specs.values()} == {"none"}
+    # A recompute option needs recompute passes: every model runs in te.checkpoint.
+    once = step_time.parse(["--quick", "--policy", "fsdp2_recompute_build_once"])
+    assert once.checkpoint == "nonreentrant"
+    assert {j.spec.checkpoint for j in step_time.plan(once, None, 2, 141.0)} == {"nonreentrant"}
+    assert step_time.parse(["--quick", "--policy", "fsdp2_recompute_build_once",
+                            "--checkpoint", "reentrant"]).checkpoint == "reentrant"
+    base = [100.0 + i % 5 for i in range(12)]
+    for ratio, expected in ((0.99, False), (0.97, True)):
+        sample = {**_paired_sample("c", base, [t * ratio for t in base], base), "policy": "fsdp2_microbatch_cache"}
+        row = _dropin_row(sample)
+        assert row["ok"] is expected and "fsdp2_microbatch_cache pinned" in row["note"], (ratio, row)
+
+
+def test_step_time_refuses_a_policy_that_does_not_plan_fsdp2(capsys):
+    with pytest.raises(SystemExit):
+        step_time.parse(["--policy", "lean"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_runner_progress_line_reads_paired_times():

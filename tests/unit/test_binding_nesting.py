@@ -178,14 +178,16 @@ def test_a_backward_that_raises_still_clears_the_call(ti):
 
 
 def test_a_backward_that_raises_still_releases_the_planned_cache(ti, monkeypatch):
-    """FSDP2_KEEP with microbatches plans the cache's release after backward;
-    a backward that raises must still mark it (GPU: tests/gpu/test_faults.py)."""
-    from workspace_manager import Release, Sharding
+    """FSDP2_KEEP with microbatches and the microbatch cache option plans the
+    cache's release after backward; a backward that raises must still mark
+    it (GPU: tests/gpu/test_faults.py)."""
+    from workspace_manager import FSDP2WorkspacePolicy, MicrobatchCache, Release, Sharding
 
     keep = Sharding.FSDP2_KEEP
     probe = SimpleNamespace(is_fsdp2=False, read=lambda: keep, current=lambda: keep, stale=lambda: False)
     managed = ti.modules.convert_model(TELinear(8, 8, seed=8))
-    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(managed._wm_kind, probe=probe)
+    option = FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(managed._wm_kind, option, probe=probe)
     x = torch.randn(4, 8, requires_grad=True)
     _, out = managed(x, is_first_microbatch=True), managed(x, is_first_microbatch=False)
     cached = managed._fp8_workspaces["weight"]

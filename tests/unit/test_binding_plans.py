@@ -5,6 +5,9 @@ The GPU found the case these pin down (benchmarks/results/
 bench-2026-11-30-d7db962): under FSDP2 and ``te.checkpoint``, a delayed-scaling
 recompute pass must leave dgrad's copy to TE's backward rebuild, while
 ``LayerNormMLP(checkpoint=True)`` keeps the pass's copy (decisions.md, D3).
+By default every format's ``te.checkpoint`` pass leaves it to the rebuild,
+as TE's does; ``RecomputeCopy.BUILD_ONCE`` keeps the pass's copy for formats
+that requantize exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +17,18 @@ from types import SimpleNamespace
 import pytest
 from _binding_standin import load_binding
 
-from workspace_manager import BackwardSource, RecomputePass, RecomputeScope, Sharding
+from workspace_manager import (
+    BackwardSource,
+    FSDP2WorkspacePolicy,
+    RecomputeCopy,
+    RecomputePass,
+    RecomputeScope,
+    RecomputeWorkspacePolicy,
+    Sharding,
+)
+
+#: The recompute option pinned: a te.checkpoint pass under FSDP2 builds once.
+BUILD_ONCE = RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE)
 
 
 def _quantizer_class(name: str) -> type:
@@ -98,14 +112,15 @@ def binding(monkeypatch):
     return SimpleNamespace(phase=phase, state=modules["_state"], seams=modules["_seams"])
 
 
-def _module(binding, kind: str, sharding: Sharding):
+def _module(binding, kind: str, sharding: Sharding, policy=None):
     """The little of a drop-in module the seams read: its kind, its state
-    (whose sharding reads as given, as FSDP2's state would) and its cache."""
+    (whose sharding reads as given, as FSDP2's state would, and with
+    ``policy`` pinned) and its cache."""
 
     probe = SimpleNamespace(read=lambda: sharding, current=lambda: sharding, stale=lambda: False)
     kinds = binding.state.ModuleKind
     kind = {"linear": kinds.LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
-    state = binding.state.ModuleWorkspaceState(kind, probe=probe)
+    state = binding.state.ModuleWorkspaceState(kind, policy, probe=probe)
     return SimpleNamespace(_wm_kind=kind, _wm_state=state, _fp8_workspaces={})
 
 
@@ -113,10 +128,10 @@ def _in_te_checkpoint(binding, recompute: bool) -> None:
     binding.phase.update(enabled=True, recompute=recompute)
 
 
-def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD):
+def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD, policy=None):
     """One managed Linear call through the seam: its slot's plan, and the
     ``is_fsdp2`` levers set for TE's forward and backward."""
-    module = _module(binding, "linear", sharding)
+    module = _module(binding, "linear", sharding, policy)
     token = binding.seams.ACTIVE.set(module)
     try:
         fwd_args = SimpleNamespace(fp8=True, debug=False, fsdp_group=None, skip_fp8_weight_update=None,
@@ -131,19 +146,23 @@ def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD):
     return ctx_plan, _LinearFunction.seen[-1], ctx.backward_objects.is_fsdp2
 
 
-def test_delayed_scaling_recompute_pass_under_fsdp2_is_rebuilt_in_backward(binding):
+@pytest.mark.parametrize("quantizer, policy", [(DELAYED, None), (CURRENT, None), (DELAYED, BUILD_ONCE)],
+                         ids=["delayed", "current", "delayed-build-once"])
+def test_a_recompute_pass_under_fsdp2_is_rebuilt_in_backward_as_te_does(binding, quantizer, policy):
+    """By default for every format (D3 is an option), and for delayed scaling
+    even with the option: its pass's copy would carry the first pass's scale."""
     _in_te_checkpoint(binding, recompute=True)
-    (ctx, plan), forward_lever, backward_clear = _linear(binding, DELAYED)
+    (ctx, plan), forward_lever, backward_clear = _linear(binding, quantizer, policy=policy)
     assert ctx.recompute is RecomputePass.RECOMPUTE and ctx.recompute_scope is RecomputeScope.REGION
     assert plan.backward_source is BackwardSource.REQUANTIZE
     # TE saves nothing (is_fsdp2 True in forward) and clears the rebuilt copy after dgrad.
     assert forward_lever is True and backward_clear is True
 
 
-def test_current_scaling_recompute_pass_under_fsdp2_keeps_its_copy(binding):
+def test_current_scaling_recompute_pass_under_fsdp2_keeps_its_copy_with_build_once(binding):
     _in_te_checkpoint(binding, recompute=True)
-    (ctx, plan), forward_lever, backward_clear = _linear(binding, CURRENT)
-    assert plan.backward_source is BackwardSource.SAVED_WORKSPACE  # D3: built once, saved
+    (ctx, plan), forward_lever, backward_clear = _linear(binding, CURRENT, policy=BUILD_ONCE)
+    assert plan.backward_source is BackwardSource.SAVED_WORKSPACE  # D3's option: built once, saved
     assert forward_lever is False and backward_clear is False
 
 
@@ -213,9 +232,21 @@ def test_layernorm_mlp_refuses_plans_that_need_two_settings_of_one_lever(binding
     with an error naming the field, never a silent compromise."""
     from workspace_manager import PolicyMismatchError
 
-    module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
+    module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD, BUILD_ONCE)
     nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
     nta[MLP["fc1_weight_quantizer"]] = DELAYED()  # FSDP2: fc1 rebuilds in a te.checkpoint recompute pass...
     _in_te_checkpoint(binding, recompute=True)  # ...while fc2 (exact requantization) keeps the pass's copy
     with pytest.raises(PolicyMismatchError, match="backward_source differs between fc1_weight"):
         binding.seams._plan_mlp(module, tuple(nta), object(), object())
+
+
+def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_default(binding):
+    """The same mix by default: both weights are rebuilt in backward, as
+    TE's one switch does, so there is nothing to refuse."""
+    module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
+    nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
+    nta[MLP["fc1_weight_quantizer"]] = DELAYED()
+    _in_te_checkpoint(binding, recompute=True)
+    binding.seams._plan_mlp(module, tuple(nta), object(), object())
+    sources = {plan.backward_source for _, plan in module._wm_state.last_plans().values()}
+    assert sources == {BackwardSource.REQUANTIZE}

@@ -186,3 +186,40 @@ def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+def _rows(capsys, *policies: str) -> list[dict]:
+    argv = ["explain", "--json", "--recipe", "Float8CurrentScaling", "--recipe", "DelayedScaling"]
+    for policy in policies:
+        argv += ["--policy", policy]
+    main(argv)
+    return json.loads(capsys.readouterr().out)
+
+
+def _plans(rows: list[dict], policy: str, **context) -> dict[str, dict]:
+    """Quantizer -> plan of the rows of ``policy`` whose context has ``context``."""
+    return {r["quantizer"]: r["plan"] for r in rows
+            if r["policy"] == policy and all(r["context"][k] == v for k, v in context.items())}
+
+
+def test_the_options_show_as_policies_of_their_own(capsys):
+    """The microbatch cache (D4) and the recompute pass's copy (D3) are off
+    in the default policies and on in the entries named after them."""
+    rows = _rows(capsys, "fsdp2", "fsdp2_microbatch_cache", "fsdp2_recompute", "fsdp2_recompute_build_once")
+    mb = dict(sharding="fsdp2_keep", recompute="none", grad_enabled=True, weight="high_precision", microbatch="first")
+    assert {p["cache"] for p in _plans(rows, "fsdp2", **mb).values()} == {"bypass"}
+    cached = _plans(rows, "fsdp2_microbatch_cache", **mb)
+    assert cached["float8_current_scaling"]["cache"] == "fill" and cached["float8_delayed_scaling"]["cache"] == "bypass"
+    rp = dict(sharding="fsdp2_reshard", recompute="recompute", recompute_scope="region", weight="high_precision",
+              microbatch="none", input_requires_grad=True)
+    assert {p["backward_source"] for p in _plans(rows, "fsdp2_recompute", **rp).values()} == {"requantize"}
+    once = _plans(rows, "fsdp2_recompute_build_once", **rp)
+    assert once["float8_current_scaling"]["backward_source"] == "saved_workspace"
+    assert once["float8_delayed_scaling"]["backward_source"] == "requantize"
+
+
+def test_the_default_tables_name_the_option_that_would_differ(capsys):
+    main(["explain", "--policy", "fsdp2", "--policy", "fsdp2_recompute", "--recipe", "Float8CurrentScaling", "--why"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "MicrobatchCache.EXACT_FORMATS caches instead" in out
+    assert "RecomputeCopy.BUILD_ONCE saves one instead" in out

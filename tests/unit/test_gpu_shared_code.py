@@ -169,3 +169,25 @@ def test_every_worker_imports_on_cpu_without_te():
     done = subprocess.run([sys.executable, "-c", code, str(GPU_TESTS), *(p.stem for p in WORKERS)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# -- pinning a policy on the stack's drop-ins ---------------------------------------------------
+def test_pin_policy_pins_every_drop_in_and_refuses_a_model_without_one(monkeypatch):
+    """``build_stack(policy=...)`` pins through ``pin_policy``: the GPU tests
+    and benchmarks measure the options, off by default, that way."""
+    from _fake_te import TELinear, load_full_binding
+
+    from benchmarks._model import pin_policy
+    from workspace_manager import named_policy
+
+    ti = load_full_binding(monkeypatch)
+    package = sys.modules["te_integration"]  # the stand-in package: give it the public names pin_policy uses
+    for name in ("Linear", "LayerNormLinear", "LayerNormMLP", "set_workspace_policy"):
+        monkeypatch.setattr(package, name, getattr(ti.modules, name), raising=False)
+    model = torch.nn.Sequential(TELinear(8, 8, seed=1), torch.nn.ReLU(), TELinear(8, 8, seed=2))
+    ti.modules.convert_model(model)
+    option = named_policy("fsdp2_microbatch_cache")
+    assert pin_policy(model, option) == 2
+    assert [m.workspace_policy for m in model if isinstance(m, ti.modules.Linear)] == [option, option]
+    with pytest.raises(ValueError, match="holds no drop-in module"):
+        pin_policy(torch.nn.Sequential(torch.nn.ReLU()), option)

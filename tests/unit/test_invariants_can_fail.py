@@ -64,6 +64,10 @@ BAD_PLANS = {
         RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
         _ctx(FLOAT8_DELAYED_SCALING, sharding=Sharding.FSDP2_RESHARD, recompute=RecomputePass.RECOMPUTE),
         SAVES_BOTH, "the inner policy rebuilds in backward"),
+    inv.region_recompute_rebuilds_as_te_unless_asked_to_build_once: (
+        RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy()),
+        _ctx(sharding=Sharding.FSDP2_RESHARD, recompute=RecomputePass.RECOMPUTE),
+        SAVES_BOTH, "recompute_copy is RecomputeCopy.AS_TE"),
     inv.no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache: (
         PLAIN, _ctx(grad_enabled=False), UNUSED_COLUMNWISE, "no-grad forward"),
     inv.columnwise_built_in_forward_is_used: (PLAIN, _ctx(), UNUSED_COLUMNWISE, "dgrad never reads"),

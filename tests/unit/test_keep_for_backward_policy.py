@@ -19,6 +19,7 @@ from workspace_manager import (
     FSDP2WorkspacePolicy,
     KeepForBackwardWorkspacePolicy,
     Microbatch,
+    MicrobatchCache,
     PolicyMismatchError,
     RecomputePass,
     RecomputeWorkspacePolicy,
@@ -82,10 +83,15 @@ def test_it_never_requantizes_where_requantizing_is_exact(ctx):
         assert plan.backward_source is not BackwardSource.REQUANTIZE
 
 
-def test_microbatch_caching_is_fsdp2s():
+def test_microbatch_caching_is_fsdp2s_option_inherited():
+    cache = MicrobatchCache.EXACT_FORMATS
+    keep, fsdp2 = KeepForBackwardWorkspacePolicy(microbatch_cache=cache), FSDP2WorkspacePolicy(microbatch_cache=cache)
     for mb in (Microbatch.FIRST, Microbatch.LATER):
         ctx = _ctx("Float8CurrentScaling", Sharding.FSDP2_KEEP, microbatch=mb)
-        assert KEEP.plan(ctx) == FSDP2.plan(ctx)
+        assert keep.plan(ctx) == fsdp2.plan(ctx) and keep.plan(ctx).cache is not CacheAction.BYPASS
+        # Off by default: no cache; forward's copy is kept for this microbatch's backward.
+        default = KEEP.plan(ctx)
+        assert default.cache is CacheAction.BYPASS and default.backward_source is BackwardSource.SAVED_WORKSPACE
 
 
 @pytest.mark.parametrize("ctx", [

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import Phase, settings
+from hypothesis.stateful import initialize
 
 from workspace_manager import (
     FSDP2WorkspacePolicy,
     Microbatch,
+    MicrobatchCache,
     QuantizerCapabilities,
     Release,
     Sharding,
@@ -17,11 +19,18 @@ from workspace_manager import (
 )
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, MXFP8
 from workspace_manager.testing import FakeQuantizer, ModuleRuntime, RuntimeModelError
+from workspace_manager.testing.invariants import every_option_on
 from workspace_manager.testing.lifecycle import WorkspaceLifecycleMachine
 from workspace_manager.testing.reference import REFERENCE_CAPABILITIES, Float8PerTensorQuantizer
 
 WorkspaceLifecycleMachine.TestCase.settings = settings(settings(), stateful_step_count=40)
 TestWorkspaceLifecycle = WorkspaceLifecycleMachine.TestCase
+
+# Every option of the shipped policies on (the microbatch cache under FSDP2,
+# the recompute pass's copy saved), pinned: the default never walks them.
+OptionsLifecycle = WorkspaceLifecycleMachine.with_options()
+OptionsLifecycle.TestCase.settings = settings(settings(), stateful_step_count=40)
+TestOptionsLifecycle = OptionsLifecycle.TestCase
 
 # The same machine on a real quantizer: live bytes are its bytes_held.
 ReferenceLifecycle = WorkspaceLifecycleMachine.for_quantizer(
@@ -35,15 +44,31 @@ def _ctx(caps, **kw) -> WorkspaceContext:
     return WorkspaceContext(capabilities=caps, **kw)
 
 
-def test_microbatches_under_fsdp2_keep_quantize_once_and_free_after_step():
-    """reshard_after_forward=False with 4 microbatches: one quantization for
-    the step, reused by the later microbatches, dropped after the step."""
-    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
-    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_KEEP)
+def _four_microbatches(rt: ModuleRuntime) -> None:
     for i in range(4):
         mb = Microbatch.FIRST if i == 0 else Microbatch.LATER
         rt.forward(_ctx(FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=mb))
         rt.backward()
+
+
+def test_microbatches_under_fsdp2_keep_quantize_every_microbatch_by_default():
+    """reshard_after_forward=False with 4 microbatches, as TE: each forward
+    quantizes rowwise data and each backward columnwise data again; no
+    copy outlives its microbatch (D4 is an option, off by default)."""
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_KEEP)
+    _four_microbatches(rt)
+    assert q.quantizations == 8
+    assert rt.cache is None and q.live_bytes() == 0
+
+
+def test_the_microbatch_cache_option_quantizes_once_and_frees_after_step():
+    """MicrobatchCache.EXACT_FORMATS: one quantization for the step, reused
+    by the later microbatches, dropped after the step."""
+    q = FakeQuantizer(FLOAT8_CURRENT_SCALING)
+    pinned = FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)
+    rt = ModuleRuntime(q, sharding=Sharding.FSDP2_KEEP, pinned=pinned)
+    _four_microbatches(rt)
     assert q.quantizations == 1
     assert rt.cache is not None
     rt.optimizer_step()
@@ -103,23 +128,42 @@ def test_runtime_refuses_to_derive_what_the_format_cannot():
         q.derive_columnwise(ws)
 
 
+_FSDP2_RELEASE = FSDP2WorkspacePolicy.release
+
+
+class _CacheOptionLifecycle(OptionsLifecycle):
+    """The options machine in the one setting where the microbatch cache
+    acts (FSDP2 keeping the gathered weight, microbatches, a format that
+    requantizes exactly), so that a bug there is found in few examples."""
+
+    @initialize()
+    def setup(self) -> None:
+        caps = FLOAT8_CURRENT_SCALING
+        pinned = every_option_on(Sharding.FSDP2_KEEP)
+        self._start(ModuleRuntime(FakeQuantizer(caps, numel=1024), sharding=Sharding.FSDP2_KEEP, pinned=pinned), True)
+
+
 @pytest.mark.parametrize(
-    "question, broken",
+    "machine, question, broken",
     [
         # caches under FSDP2 resharding, like TE before #2805 (TE#2681)
-        ("cache_action", lambda self, ctx: __import__("workspace_manager")._policy._cache_by_microbatch(ctx)),
+        (WorkspaceLifecycleMachine, "cache_action",
+         lambda self, ctx: __import__("workspace_manager")._policy._cache_by_microbatch(ctx)),
         # never clears derived columnwise data (TE#2717)
-        ("release", lambda self, ctx, cache: Release.NOTHING),
+        (WorkspaceLifecycleMachine, "release", lambda self, ctx, cache: Release.NOTHING),
+        # the microbatch cache option never drops its cache after the step
+        (_CacheOptionLifecycle, "release",
+         lambda self, ctx, cache: _FSDP2_RELEASE(self, ctx, cache) & ~Release.CACHED_WORKSPACE),
     ],
-    ids=["fsdp2-caches", "fsdp2-never-releases"],
+    ids=["fsdp2-caches", "fsdp2-never-releases", "option-cache-outlives-the-step"],
 )
-def test_state_machine_catches_a_broken_fsdp2_policy(monkeypatch, question, broken):
+def test_state_machine_catches_a_broken_fsdp2_policy(monkeypatch, machine, question, broken):
     from hypothesis.stateful import run_state_machine_as_test
 
     monkeypatch.setattr(FSDP2WorkspacePolicy, question, broken)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
-            WorkspaceLifecycleMachine,
+            machine,
             settings=settings(
                 # derandomize: the search is the same on every run, so whether
                 # it finds the bug does not depend on the random seed.

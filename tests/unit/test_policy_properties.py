@@ -71,6 +71,12 @@ def test_inexact_region_recompute_rebuilds_as_the_inner_policy(pair):
     _check(inv.inexact_region_recompute_rebuilds_as_the_inner_policy, pair)
 
 
+@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
+def test_region_recompute_rebuilds_as_te_unless_asked_to_build_once(pair):
+    """No peak over stock by default under FSDP2 and te.checkpoint (D3)."""
+    _check(inv.region_recompute_rebuilds_as_te_unless_asked_to_build_once, pair)
+
+
 @given(covering_policies())
 def test_no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(pair):
     _check(inv.no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache, pair)

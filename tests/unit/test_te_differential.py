@@ -7,15 +7,22 @@ backward) must either agree with TE or be explained by exactly the
 deliberate differences listed below, each of which has a section in
 ``docs/decisions.md``. A difference no entry explains fails the test, and
 so does an entry that explains nothing (the list cannot rot).
+
+The shipped policies' options (``MicrobatchCache``, ``RecomputeCopy``) are
+off by default. The comparison runs once per combination of options; an
+entry that names an option explains differences only where that option is
+on, so the default must agree with TE wherever only an option differs.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import pytest
 import te_reference as ref
@@ -24,17 +31,24 @@ from workspace_manager import (
     BackwardOverride,
     BackwardSource,
     CacheAction,
+    FSDP2WorkspacePolicy,
     Microbatch,
+    MicrobatchCache,
+    RecomputeCopy,
     RecomputePass,
     RecomputeScope,
+    RecomputeWorkspacePolicy,
     Release,
     Sharding,
     Usage,
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
+    WorkspacePolicy,
+    resolve_policy,
     select_policy,
 )
+from workspace_manager._policy import base_policy_for
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, FLOAT8_DELAYED_SCALING
 
 DECISIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "decisions.md"
@@ -51,6 +65,36 @@ _SHARDING = {
 #: format does not requantize exactly (D4, and the recompute rule below), so
 #: every case is compared with a format that does and with one that does not.
 FORMATS = (FLOAT8_CURRENT_SCALING, FLOAT8_DELAYED_SCALING)
+
+
+Option = Union[MicrobatchCache, RecomputeCopy]
+#: A combination of options: the microbatch cache's and the recompute copy's.
+Config = tuple[MicrobatchCache, RecomputeCopy]
+DEFAULT: Config = (MicrobatchCache.OFF, RecomputeCopy.AS_TE)
+CONFIGS: tuple[Config, ...] = tuple(itertools.product(MicrobatchCache, RecomputeCopy))
+
+
+def only(option: Option) -> Config:
+    """The combination with ``option`` on and every other option off."""
+    return (option, DEFAULT[1]) if isinstance(option, MicrobatchCache) else (DEFAULT[0], option)
+
+
+def policy_for(ctx: WorkspaceContext, config: Config = DEFAULT) -> WorkspacePolicy:
+    """The policy that plans ``ctx``: the manager's own choice by default,
+    else the shipped policy with ``config``'s options, pinned as a user
+    would pin it."""
+    if config == DEFAULT:
+        return select_policy(ctx)
+    cache, copy = config
+    inner = base_policy_for(ctx.sharding)()
+    if isinstance(inner, FSDP2WorkspacePolicy):
+        inner = FSDP2WorkspacePolicy(microbatch_cache=cache)
+    return resolve_policy(ctx, RecomputeWorkspacePolicy(inner=inner, recompute_copy=copy))
+
+
+def plan_for(case: ref.TECase, caps=FLOAT8_CURRENT_SCALING, config: Config = DEFAULT) -> WorkspacePlan:
+    ctx = context_for(case, caps)
+    return policy_for(ctx, config).plan(ctx)
 
 
 def context_for(case: ref.TECase, capabilities=FLOAT8_CURRENT_SCALING) -> WorkspaceContext:
@@ -111,11 +155,16 @@ def te_decisions(case: ref.TECase, te: ref.TEDecision) -> dict[str, object]:
 @dataclass(frozen=True)
 class Difference:
     """A deliberate difference from TE: ``applies`` says whether it explains
-    a disagreement on ``field`` for ``case`` (with our plan at hand)."""
+    a disagreement on ``field`` for ``case`` (with our plan at hand). One
+    with an ``option`` explains differences only where that option is on."""
 
     ident: str
     fields: frozenset[str]
     applies: Callable[[ref.TECase, WorkspacePlan], bool]
+    option: Option | None = None
+
+    def available(self, config: Config) -> bool:
+        return self.option is None or self.option in config
 
 
 def _hp(case):
@@ -149,16 +198,28 @@ DIFFERENCES: tuple[Difference, ...] = (
         ),
     ),
     Difference(
-        "D3-recompute-pass-builds-once",
-        frozenset({"saved", "rebuild", "forward_columnwise", "cache"}),
-        # Only where the pass's copy is saved: a rebuild in backward is TE's own choice.
-        lambda case, plan: case.recompute == "recompute" and case.sharding != "distributed_weight"
-        and plan.backward_source is not BackwardSource.REQUANTIZE,
+        "D3-recompute-pass-reads-the-cache",
+        frozenset({"cache", "saved"}),
+        # The pass reads what the first pass cached instead of quantizing into
+        # the cache again; LayerNormMLP's own pass hands its copy to backward,
+        # which TE does without saving it and our plan calls saved.
+        lambda case, plan: case.recompute == "recompute"
+        and (plan.cache is CacheAction.READ_ONLY
+             or (case.module.startswith("LayerNormMLP") and plan.saves_quantized)),
     ),
     Difference(
-        "D4-fsdp2-keep-caches-across-microbatches",
+        "D3-option-recompute-pass-builds-once",
+        frozenset({"saved", "rebuild", "forward_columnwise"}),
+        # A te.checkpoint pass under FSDP2 saves its copy where TE rebuilds.
+        lambda case, plan: case.recompute == "recompute" and _fsdp2(case) and not case.module.startswith("LayerNormMLP")
+        and plan.backward_source is BackwardSource.SAVED_WORKSPACE,
+        option=RecomputeCopy.BUILD_ONCE,
+    ),
+    Difference(
+        "D4-option-fsdp2-keep-caches-across-microbatches",
         frozenset({"cache", "saved", "rebuild", "forward_columnwise"}),
         lambda case, plan: case.sharding == "fsdp2_keep" and plan.cache is not CacheAction.BYPASS,
+        option=MicrobatchCache.EXACT_FORMATS,
     ),
     Difference(
         "D5-clear-only-what-outlives-backward",
@@ -194,33 +255,69 @@ DIFFERENCES: tuple[Difference, ...] = (
 )
 
 
-def _compare() -> tuple[list[str], dict[str, int]]:
+def _compare(config: Config = DEFAULT) -> tuple[list[str], dict[str, list[tuple]]]:
+    """The differences no available entry explains, and per entry the
+    (case, format, field) triples it explains."""
     unexplained: list[str] = []
-    used: dict[str, int] = defaultdict(int)
+    used: dict[str, list[tuple]] = defaultdict(list)
+    available = [d for d in DIFFERENCES if d.available(config)]
     for case in ref.ALL_CASES:
         for caps in FORMATS:
-            plan = select_policy(context_for(case, caps)).plan(context_for(case, caps))
+            plan = plan_for(case, caps, config)
             ours, theirs = our_decisions(case, plan), te_decisions(case, ref.te_decision(case))
             for field in theirs.keys() & ours.keys():
                 if ours[field] == theirs[field]:
                     continue
-                reasons = [d.ident for d in DIFFERENCES if field in d.fields and d.applies(case, plan)]
+                reasons = [d.ident for d in available if field in d.fields and d.applies(case, plan)]
                 for r in reasons:
-                    used[r] += 1
+                    used[r].append((case, caps, field))
                 if not reasons:
                     unexplained.append(f"{field}: TE={theirs[field]!r} ours={ours[field]!r} for {case} ({caps.name})")
     return unexplained, used
 
 
-def test_every_difference_from_te_is_deliberate():
-    unexplained, _ = _compare()
+def _config_id(config: Config) -> str:
+    return "+".join(option.value for option in config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_every_difference_from_te_is_deliberate(config):
+    unexplained, _ = _compare(config)
     assert not unexplained, f"{len(unexplained)} unexplained differences from TE 2.20.2:\n" + "\n".join(unexplained[:40])
 
 
 def test_every_listed_difference_occurs():
-    _, used = _compare()
-    unused = [d.ident for d in DIFFERENCES if used[d.ident] == 0]
+    """A difference without an option occurs by default; one with an option
+    occurs where that option alone is on."""
+    used = {config: _compare(config)[1] for config in {DEFAULT, *(only(d.option) for d in DIFFERENCES if d.option)}}
+    unused = [d.ident for d in DIFFERENCES if not used[only(d.option) if d.option else DEFAULT][d.ident]]
     assert not unused, f"differences listed but never observed (remove them from the list and the doc): {unused}"
+
+
+def test_an_option_off_plans_as_te_where_only_the_option_differs():
+    """Every decision that, with an option on, differs from TE for no reason
+    but the option agrees with TE once the option is off: the default costs
+    nothing TE does not there."""
+    for difference in (d for d in DIFFERENCES if d.option):
+        used = _compare(only(difference.option))[1]
+        others = {t for ident, triples in used.items() if ident != difference.ident for t in triples}
+        alone = [t for t in used[difference.ident] if t not in others]
+        assert alone, difference.ident
+        for case, caps, field in alone:
+            ours = our_decisions(case, plan_for(case, caps, DEFAULT))
+            assert ours[field] == te_decisions(case, ref.te_decision(case))[field], (difference.ident, case, field)
+
+
+def test_each_option_is_documented_as_an_option_off_by_default():
+    sections = re.split(r"^## ", DECISIONS_MD.read_text(), flags=re.M)
+    for difference in DIFFERENCES:
+        section = " ".join(next(s for s in sections if s.startswith(difference.ident)).split())
+        if difference.option is None:
+            assert "-option-" not in difference.ident
+            continue
+        assert "-option-" in difference.ident
+        assert f"{type(difference.option).__name__}.{difference.option.name}" in section, difference.ident
+        assert "off by default" in section, difference.ident
 
 
 def test_differences_are_documented():
@@ -266,37 +363,74 @@ def test_fsdp2_reshard_matches_te_on_the_leak_fix():
         assert not plan.saves_quantized and not te.workspace_saved
 
 
-def test_a_delayed_scaling_recompute_pass_under_fsdp2_rebuilds_as_te_does():
-    """A ``te.checkpoint`` recompute pass quantizes with the first pass's
-    delayed-scaling scale; TE's FSDP2 backward rebuilds with the scale of
-    backward time. Saving the pass's copy (D3) would change dgrad's bytes,
-    so with delayed scaling the plan is TE's: nothing saved, rebuilt in
-    backward. Found on GPUs: losses left stock's at step 2
-    (benchmarks/results/bench-2026-11-30-d7db962)."""
+def _region_recompute_cases_under_fsdp2() -> list[ref.TECase]:
+    """te.checkpoint recompute passes of a high-precision FSDP2 weight whose
+    backward runs quantized dgrad."""
     cases = [c for c in ref.ALL_CASES if c.recompute == "recompute" and _fsdp2(c) and _hp(c)
              and not c.module.startswith("LayerNormMLP") and c.backward_override == "none"
              and (c.input_requires_grad or c.module != "Linear")]
     assert cases
-    for case in cases:
-        te = ref.te_decision(case)
-        delayed = select_policy(context_for(case, FLOAT8_DELAYED_SCALING)).plan(context_for(case, FLOAT8_DELAYED_SCALING))
-        assert te.backward_rebuild and not te.workspace_saved, case
-        assert delayed.backward_source is BackwardSource.REQUANTIZE and not delayed.saves_quantized, case
-        assert Usage.COLUMNWISE not in delayed.forward_usage, case
-        # A format that requantizes exactly keeps D3: built once, saved.
-        current = select_policy(context_for(case)).plan(context_for(case))
+    return cases
+
+
+def _rebuilds_as_te(case: ref.TECase, plan: WorkspacePlan) -> None:
+    te = ref.te_decision(case)
+    assert te.backward_rebuild and not te.workspace_saved and not te.forward_columnwise, case
+    assert plan.backward_source is BackwardSource.REQUANTIZE and not plan.saves_quantized, case
+    assert Usage.COLUMNWISE not in plan.forward_usage, case
+
+
+@pytest.mark.parametrize("caps", FORMATS, ids=lambda caps: caps.name)
+def test_a_recompute_pass_under_fsdp2_rebuilds_as_te_does_by_default(caps):
+    """D3 is an option, off by default: a ``te.checkpoint`` recompute pass
+    under FSDP2 quantizes rowwise data only and saves nothing, and backward
+    quantizes again, as TE does, for every format."""
+    for case in _region_recompute_cases_under_fsdp2():
+        _rebuilds_as_te(case, plan_for(case, caps))
+
+
+def test_a_delayed_scaling_recompute_pass_under_fsdp2_rebuilds_as_te_does_even_when_building_once():
+    """A ``te.checkpoint`` recompute pass quantizes with the first pass's
+    delayed-scaling scale; TE's FSDP2 backward rebuilds with the scale of
+    backward time. Saving the pass's copy (the D3 option) would change
+    dgrad's bytes, so with delayed scaling the plan stays TE's whatever the
+    option. Found on GPUs: losses left stock's at step 2
+    (benchmarks/results/bench-2026-11-30-d7db962)."""
+    build_once = only(RecomputeCopy.BUILD_ONCE)
+    for case in _region_recompute_cases_under_fsdp2():
+        _rebuilds_as_te(case, plan_for(case, FLOAT8_DELAYED_SCALING, build_once))
+        # A format that requantizes exactly builds once and saves, as asked.
+        current = plan_for(case, FLOAT8_CURRENT_SCALING, build_once)
         assert current.backward_source is BackwardSource.SAVED_WORKSPACE, case
+        assert Usage.COLUMNWISE in current.forward_usage, case
+
+
+@pytest.mark.parametrize("caps", FORMATS, ids=lambda caps: caps.name)
+def test_fsdp2_microbatches_are_quantized_every_time_as_te_does_by_default(caps):
+    """D4 is an option, off by default: under FSDP2 nothing is cached and no
+    workspace of a high-precision weight is saved, for every microbatch
+    position; with the option, a format that requantizes exactly caches."""
+    cases = [c for c in ref.ALL_CASES if c.sharding == "fsdp2_keep" and c.recompute == "none" and _hp(c)
+             and c.grad_enabled and c.microbatch != "none"]
+    assert cases
+    for case in cases:
+        te, plan = ref.te_decision(case), plan_for(case, caps)
+        assert plan.cache.value == te.cache == "bypass", case
+        assert not plan.saves_quantized and not te.workspace_saved, case
+        cached = plan_for(case, caps, only(MicrobatchCache.EXACT_FORMATS))
+        assert (cached.cache is not CacheAction.BYPASS) is caps.requantization_safe, case
 
 
 def test_a_modules_own_recompute_keeps_its_copy_whatever_the_format():
     """LayerNormMLP(checkpoint=True): TE hands the recompute pass's copies
-    straight to backward, so the plan says so for every format."""
+    straight to backward, so the plan says so for every format, with the
+    options on or off."""
     cases = [c for c in ref.ALL_CASES if c.recompute == "recompute" and c.module.startswith("LayerNormMLP")
              and _fsdp2(c) and _hp(c)]
     assert cases
     for case in cases:
-        for caps in FORMATS:
-            plan = select_policy(context_for(case, caps)).plan(context_for(case, caps))
-            assert plan.backward_source is BackwardSource.SAVED_WORKSPACE, (case, caps.name)
+        for caps, config in itertools.product(FORMATS, CONFIGS):
+            plan = plan_for(case, caps, config)
+            assert plan.backward_source is BackwardSource.SAVED_WORKSPACE, (case, caps.name, config)
             te = ref.te_decision(case)  # returned into backward, not saved, and not rebuilt
             assert te.forward_columnwise and not te.backward_rebuild, case

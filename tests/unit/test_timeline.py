@@ -86,3 +86,13 @@ def test_backward_spans_follow_microbatches():
     phases = ["forward", "forward", "backward", "backward", "forward", "backward", "step"]
     points = [_point(str(i), ph, {}, None) for i, ph in enumerate(phases)]
     assert tl.backward_spans(points) == [(2, 3), (5, 5)]
+
+
+def test_a_run_with_a_policy_pinned_is_named_apart():
+    """The FSDP2 worker records the microbatch cache option as a run of its
+    own beside the defaults' run of the same recipe and microbatches."""
+    default = {**_run(), "microbatches": 4}
+    option = {**default, "policy": "fsdp2_microbatch_cache"}
+    assert tl.case_name(default) == "Float8CurrentScaling_qinit_4mb"
+    assert tl.case_name(option) == "Float8CurrentScaling_qinit_4mb_fsdp2_microbatch_cache"
+    assert tl.case_name({**default, "policy": None}) == tl.case_name(default)

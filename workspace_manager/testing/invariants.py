@@ -33,8 +33,11 @@ from .._policy import (
     FSDP2WorkspacePolicy,
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
+    MicrobatchCache,
+    RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
+    base_policy_for,
 )
 from .._selection import resolve_policy, select_policy
 
@@ -47,6 +50,7 @@ __all__ = [
     "CONTEXT_INVARIANTS",
     "all_contexts",
     "covering",
+    "every_option_on",
     "fsdp2_resharding_never_caches",
     "fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass",
     "never_derives_what_the_format_cannot_derive",
@@ -54,6 +58,7 @@ __all__ = [
     "recompute_passes_never_write_a_cache",
     "recompute_passes_quantize_once",
     "inexact_region_recompute_rebuilds_as_the_inner_policy",
+    "region_recompute_rebuilds_as_te_unless_asked_to_build_once",
     "no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache",
     "columnwise_built_in_forward_is_used",
     "plans_are_deterministic_and_hashable",
@@ -77,10 +82,28 @@ class InvariantViolation(AssertionError):
 PlanInvariant = Callable[[WorkspacePolicy, WorkspaceContext, WorkspacePlan], None]
 ContextInvariant = Callable[[WorkspaceContext], None]
 
+_CACHE = MicrobatchCache.EXACT_FORMATS
 _BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(), DistributedWeightWorkspacePolicy(),
-                                      LeanWorkspacePolicy(), KeepForBackwardWorkspacePolicy())
-#: Every policy the core ships, recompute wrappers included.
-SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(RecomputeWorkspacePolicy(inner=p) for p in _BASE)
+                                      LeanWorkspacePolicy(), KeepForBackwardWorkspacePolicy(),
+                                      # the options, which are off by default
+                                      FSDP2WorkspacePolicy(microbatch_cache=_CACHE),
+                                      KeepForBackwardWorkspacePolicy(microbatch_cache=_CACHE))
+#: Every policy the core ships, with and without its options, recompute
+#: wrappers (with either ``recompute_copy``) included.
+SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(
+    RecomputeWorkspacePolicy(inner=p, recompute_copy=copy) for copy in RecomputeCopy for p in _BASE
+)
+
+
+def every_option_on(sharding: Sharding) -> RecomputeWorkspacePolicy:
+    """The shipped policy for ``sharding`` with every option switched on
+    (``MicrobatchCache.EXACT_FORMATS`` under FSDP2,
+    ``RecomputeCopy.BUILD_ONCE``), as one policy to pin: the recompute
+    wrapper plans calls outside recompute passes by its inner policy."""
+    inner = base_policy_for(sharding)()
+    if isinstance(inner, FSDP2WorkspacePolicy):
+        inner = FSDP2WorkspacePolicy(microbatch_cache=_CACHE)
+    return RecomputeWorkspacePolicy(inner=inner, recompute_copy=RecomputeCopy.BUILD_ONCE)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -170,15 +193,26 @@ def recompute_passes_never_write_a_cache(policy: WorkspacePolicy, ctx: Workspace
 
 def recompute_passes_quantize_once(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """The recompute pass's workspace feeds the backward that follows at once,
-    so it is never requantized there. Two exceptions: backward gathers the
-    weight anyway, or a region's recompute pass with a quantizer that does
-    not requantize exactly, whose copy (made with the first pass's scale)
-    would differ from the rebuild TE does in backward."""
+    so it is not requantized there. Two exceptions: backward gathers the
+    weight anyway, or a region's recompute pass whose inner policy rebuilds
+    in backward (FSDP2) leaves dgrad's copy to that rebuild, as TE does
+    (:func:`region_recompute_rebuilds_as_te_unless_asked_to_build_once`)."""
     if ctx.recompute is not RecomputePass.RECOMPUTE or ctx.sharding is Sharding.DISTRIBUTED_WEIGHT:
         return
-    if ctx.recompute_scope is RecomputeScope.REGION and not ctx.capabilities.requantization_safe:
+    if _region_pass_of_an_inner_rebuild(policy, ctx):
         return
     _require(plan.backward_source is not BackwardSource.REQUANTIZE, "recompute pass requantizes in backward")
+
+
+def _region_pass_of_an_inner_rebuild(policy: WorkspacePolicy, ctx: WorkspaceContext) -> bool:
+    """A ``te.checkpoint`` recompute pass planned by a recompute wrapper
+    whose inner policy quantizes again in backward for this call."""
+    if not isinstance(policy, RecomputeWorkspacePolicy) or ctx.recompute is not RecomputePass.RECOMPUTE:
+        return False
+    if ctx.recompute_scope is not RecomputeScope.REGION:
+        return False
+    # A recompute pass always has grad: its plain forward is the step's real one.
+    return policy.inner.plan(ctx.as_plain_forward()).backward_source is BackwardSource.REQUANTIZE
 
 
 def inexact_region_recompute_rebuilds_as_the_inner_policy(
@@ -186,18 +220,33 @@ def inexact_region_recompute_rebuilds_as_the_inner_policy(
 ) -> None:
     """Identical numerics: a region's recompute pass quantizes with the first
     pass's scale, so with a quantizer that does not requantize exactly it
-    cannot stand in for a backward rebuild that the inner policy does."""
-    if not isinstance(policy, RecomputeWorkspacePolicy) or ctx.recompute is not RecomputePass.RECOMPUTE:
+    cannot stand in for a backward rebuild that the inner policy does,
+    whatever the ``recompute_copy`` option says."""
+    if ctx.capabilities.requantization_safe or not _region_pass_of_an_inner_rebuild(policy, ctx):
         return
-    if ctx.recompute_scope is not RecomputeScope.REGION or ctx.capabilities.requantization_safe:
+    _require(
+        plan.backward_source is BackwardSource.REQUANTIZE,
+        f"the inner policy rebuilds in backward, but the recompute pass gives backward "
+        f"backward_source={plan.backward_source.value} made with the first pass's scale",
+    )
+
+
+def region_recompute_rebuilds_as_te_unless_asked_to_build_once(
+    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """No memory over stock by default: where the inner policy rebuilds in
+    backward (FSDP2), a region's recompute pass saves no copy for backward,
+    as TE's does, unless ``RecomputeCopy.BUILD_ONCE`` asks for it (a copy
+    held from the pass to backward, for one quantization less)."""
+    if not _region_pass_of_an_inner_rebuild(policy, ctx):
         return
-    # A recompute pass always has grad: its plain forward is the step's real one.
-    if policy.inner.plan(ctx.as_plain_forward()).backward_source is BackwardSource.REQUANTIZE:
-        _require(
-            plan.backward_source is BackwardSource.REQUANTIZE,
-            f"the inner policy rebuilds in backward, but the recompute pass gives backward "
-            f"backward_source={plan.backward_source.value} made with the first pass's scale",
-        )
+    if policy.recompute_copy is RecomputeCopy.BUILD_ONCE:  # type: ignore[attr-defined]
+        return
+    _require(
+        plan.backward_source is BackwardSource.REQUANTIZE and Usage.COLUMNWISE not in plan.forward_usage,
+        f"the inner policy rebuilds in backward and recompute_copy is {RecomputeCopy.AS_TE}, but the recompute "
+        f"pass builds {plan.forward_usage.label} and gives backward backward_source={plan.backward_source.value}",
+    )
 
 
 def no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(
@@ -331,6 +380,7 @@ PLAN_INVARIANTS: tuple[PlanInvariant, ...] = (
     recompute_passes_never_write_a_cache,
     recompute_passes_quantize_once,
     inexact_region_recompute_rebuilds_as_the_inner_policy,
+    region_recompute_rebuilds_as_te_unless_asked_to_build_once,
     no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache,
     columnwise_built_in_forward_is_used,
     plans_are_deterministic_and_hashable,

@@ -7,10 +7,15 @@ plan said to free is still alive. Run it with::
 
     TestLifecycle = WorkspaceLifecycleMachine.TestCase
 
+with the shipped policies' options switched on (they are off by default)::
+
+    TestOptions = WorkspaceLifecycleMachine.with_options().TestCase
+
 and on your own quantizer (see :class:`~workspace_manager.testing.QuantizerUnderTest`),
-with its real bytes, with::
+with its real bytes, with either of::
 
     TestMine = WorkspaceLifecycleMachine.for_quantizer(MyQuantizer, MY_CAPS).TestCase
+    TestMineOptions = WorkspaceLifecycleMachine.with_options().for_quantizer(MyQuantizer, MY_CAPS).TestCase
 
 The events and invariants live in :class:`~workspace_manager.testing.LifecycleSession`,
 which :func:`~workspace_manager.testing.check_quantizer` drives too.
@@ -19,6 +24,7 @@ which :func:`~workspace_manager.testing.check_quantizer` drives too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from ._needs import require_hypothesis
 
@@ -29,17 +35,32 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .._context import BackwardOverride, QuantizerCapabilities, RecomputePass, Sharding, WeightSource
+from .._policy import WorkspacePolicy
 from ._adapter import QuantizerAdapter, QuantizerRuntime, versioned_weights
 from ._model import FakeQuantizer, ModuleRuntime
 from ._protocol import QuantizerUnderTest
 from ._session import LifecycleSession
+from .invariants import every_option_on
 from .strategies import capabilities
 
 __all__ = ["WorkspaceLifecycleMachine"]
 
 
+def _pinned(sharding: Sharding, options: bool) -> WorkspacePolicy | None:
+    """None (the manager selects per call), or every option on."""
+    return every_option_on(sharding) if options else None
+
+
 class WorkspaceLifecycleMachine(RuleBasedStateMachine):
-    """One module under the policy the manager selects for each call."""
+    """One module under the policy the manager selects for each call.
+
+    :meth:`with_options` gives the same machine with the shipped policy's
+    options switched on and pinned (``every_option_on``): the options are
+    off by default, so the default alone never walks their caches and
+    saved copies."""
+
+    #: Pin the shipped policy with every option on instead of selecting per call.
+    options: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,13 +77,15 @@ class WorkspaceLifecycleMachine(RuleBasedStateMachine):
         use_microbatches=st.booleans(),
     )
     def setup(self, caps, sharding, weight, use_microbatches) -> None:
-        self._start(ModuleRuntime(FakeQuantizer(caps, numel=1024), sharding=sharding, weight=weight), use_microbatches)
+        runtime = ModuleRuntime(FakeQuantizer(caps, numel=1024), sharding=sharding, weight=weight,
+                                pinned=_pinned(sharding, self.options))
+        self._start(runtime, use_microbatches)
 
     def _start(self, runtime: ModuleRuntime, use_microbatches: bool) -> None:
         self.session = LifecycleSession(runtime, use_microbatches=use_microbatches)
         note(
             f"module: {runtime.quantizer.capabilities} sharding={runtime.sharding.name} "
-            f"weight={runtime.weight.name} microbatches={use_microbatches}"
+            f"weight={runtime.weight.name} microbatches={use_microbatches} pinned={runtime.pinned!r}"
         )
 
     @classmethod
@@ -84,10 +107,22 @@ class WorkspaceLifecycleMachine(RuleBasedStateMachine):
             )
             def setup(self, sharding, weight, use_microbatches) -> None:
                 adapter = QuantizerAdapter(factory(), capabilities, versioned_weights(shape))
-                self._start(QuantizerRuntime(adapter, sharding=sharding, weight=weight), use_microbatches)
+                runtime = QuantizerRuntime(adapter, sharding=sharding, weight=weight,
+                                           pinned=_pinned(sharding, self.options))
+                self._start(runtime, use_microbatches)
 
         QuantizerLifecycleMachine.__name__ = f"LifecycleOf{capabilities.name.title().replace('_', '')}"
         return QuantizerLifecycleMachine
+
+    @classmethod
+    def with_options(cls) -> type[WorkspaceLifecycleMachine]:
+        """This machine with every option of the shipped policies on, pinned."""
+
+        class WithOptions(cls):  # type: ignore[misc, valid-type]
+            options = True
+
+        WithOptions.__name__ = f"{cls.__name__}WithOptions"
+        return WithOptions
 
     # -- events --------------------------------------------------------------
     @rule(
