@@ -121,6 +121,21 @@ def usages_of(obj: Any) -> Usage:
     return (_ROW if got.get("rowwise") else Usage.NONE) | (_COL if got.get("columnwise") else Usage.NONE)
 
 
+def _is_parameter(obj: Any, parameter: Any, storage_base: type) -> bool:
+    """``obj`` is the quantized parameter, or an alias of it that reads the
+    parameter's own memory: a non-reentrant checkpoint hands backward the
+    ``detach()``ed tensors its recompute saved, new objects over the same
+    component tensors. (Storage objects are compared by identity: PyTorch
+    keeps one Python object per storage.)"""
+    if obj is parameter:
+        return True
+    if parameter is None or not isinstance(parameter, storage_base):
+        return False
+    # Data only: a shared per-tensor scale alone does not make the parameter's data.
+    theirs = [storage for usage, storage in parts_of(parameter) if usage is not _SHARED]
+    return any(any(mine is storage for storage in theirs) for usage, mine in parts_of(obj) if usage is not _SHARED)
+
+
 @dataclass
 class Operand:
     """One weight operand of a GEMM, held weakly."""
@@ -145,7 +160,7 @@ class Operand:
     def of(cls, obj: Any, storage_base: type, parameter: Any, cache_entry: Any = None) -> Operand:
         if isinstance(obj, storage_base):
             parts = [(u, weakref.ref(s)) for u, s in parts_of(obj)]
-            return cls(True, usages_of(obj), parts, obj is parameter, ref=weakref.ref(obj),
+            return cls(True, usages_of(obj), parts, _is_parameter(obj, parameter, storage_base), ref=weakref.ref(obj),
                        from_cache=cache_entry is not None and obj is cache_entry)
         return cls(False, Usage.NONE, [], obj is parameter, plain_storage=weakref.ref(obj.untyped_storage()))
 
