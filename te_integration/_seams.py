@@ -132,10 +132,7 @@ def _cached_quantize(module, levers: Levers, tensor, quantizer, skip_update_flag
     if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
         quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
     action, key = levers.cache, levers.key
-    pending = state.pending
-    cached = pending.get(key) if pending else None
-    if cached is None:
-        cached = module._fp8_workspaces.get(key)
+    cached = state.cached(module._fp8_workspaces, key)  # this call's fill first, then the module's cache
     # An entry this state filled with the usages wanted serves as it is
     # (see ModuleWorkspaceState.filled); any other is checked in full.
     filled = state.filled.get(key)
