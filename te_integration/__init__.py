@@ -26,6 +26,7 @@ from ._foreign import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._steps import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
+from ._support import recompute_mismatch_reason, unsupported_reason
 
 __all__ = [
     "Linear",
@@ -40,6 +41,8 @@ __all__ = [
     "Levers",
     "release_step_caches",
     "apply_workspace_budget",
+    "unsupported_reason",
+    "recompute_mismatch_reason",
     "WorkspaceBudget",
     "BudgetEntry",
     "BudgetChoice",

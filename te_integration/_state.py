@@ -45,7 +45,7 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._steps import track
-from ._support import require_supported
+from ._support import require_same_passes, require_supported
 
 __all__ = ["ModuleKind", "Levers", "ModuleWorkspaceState", "RebuildQuantizer", "state_of", "levers_from_plan"]
 
@@ -268,6 +268,12 @@ class ModuleWorkspaceState:
             Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),
         )
         require_supported(key, context, plan)
+        if context.recompute is RecomputePass.FIRST and context.grad_enabled and not module_scope:
+            # Only a non-reentrant checkpoint's first pass runs with grad on.
+            _, replanned = plan_call(self._policy, context.capabilities, context.sharding, RecomputePass.RECOMPUTE,
+                                     context.recompute_scope, True, input_rg, context.weight, context.microbatch,
+                                     context.backward_override)
+            require_same_passes(key, context, plan, replanned)
         return levers_from_plan(key, context, plan)
 
     def last_plans(self) -> dict[str, tuple[WorkspaceContext, WorkspacePlan]]:

@@ -15,9 +15,9 @@ The rules, each tied to what TE's backward reads (``module/linear.py``'s
 and ``layernorm_mlp.py``):
 
 * No backward follows (grad off): nothing is kept for it, so
-  ``backward_source`` is ``none``. In a recompute region's first pass the
-  checkpoint drops what TE saves; the backward fields describe the
-  recompute pass and are checked there.
+  ``backward_source`` is ``none``. A non-reentrant checkpoint's first pass
+  (grad on) is checked against its recompute pass (the last rule); the
+  backward fields of the recompute pass are checked there.
 * dgrad under ``backward_override="high_precision"`` reads the
   high-precision weight; otherwise it reads a quantized one, with the usages
   the context implies (columnwise; rowwise for ``"dequantized"``).
@@ -28,6 +28,18 @@ and ``layernorm_mlp.py``):
 * A fresh saved workspace keeps what forward built, less its rowwise data
   where backward reads columnwise data only (D11); columnwise data that
   backward does not read cannot be left out.
+* A non-reentrant checkpoint's two passes keep the same things. Its first
+  pass runs with grad on, so TE saves for backward as usual; the checkpoint
+  keeps only the position of each saved tensor, and backward runs on the
+  first pass's ``ctx`` with the recompute pass's tensors put back by
+  position (``transformer_engine/pytorch/distributed.py``,
+  ``_checkpoint_hook`` and ``_recomputation_hook``). A first pass that
+  saves a workspace and a recompute pass that saves the weight (or the
+  other way round) do not line up, and TE's backward fails on them. So the
+  first pass's ``backward_source``, ``backward_usage`` and ``release`` must
+  equal those the same policy gives the recompute pass
+  (:func:`recompute_mismatch_reason`). A reentrant checkpoint's first pass
+  runs with grad off and saves nothing, so the rule never applies to it.
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from workspace_manager import (
     WorkspacePlan,
 )
 
-__all__ = ["unsupported_reason", "require_supported"]
+__all__ = ["unsupported_reason", "require_supported", "recompute_mismatch_reason", "require_same_passes"]
 
 _HIGH_PRECISION_SOURCES = (BackwardSource.SAVED_WORKSPACE, BackwardSource.REQUANTIZE)
 
@@ -71,6 +83,38 @@ def require_supported(key: str, context: WorkspaceContext, plan: WorkspacePlan) 
         )
 
 
+def recompute_mismatch_reason(first: WorkspacePlan, recompute: WorkspacePlan) -> str | None:
+    """Why a non-reentrant checkpoint cannot run a first pass planned
+    ``first`` whose recompute pass is planned ``recompute`` (naming the
+    field), or None when the two keep the same things for backward."""
+    for field in ("backward_source", "backward_usage", "release"):
+        mine, theirs = getattr(first, field), getattr(recompute, field)
+        if mine != theirs:
+            return (f"{field} is {_label(mine)} in a non-reentrant checkpoint's first pass but {_label(theirs)} in "
+                    "its recompute pass; backward reads the first pass's record with the recompute pass's tensors "
+                    f"put back by position, so both passes must plan the same {field}")
+    return None
+
+
+def require_same_passes(key: str, context: WorkspaceContext, first: WorkspacePlan,
+                        recompute: WorkspacePlan) -> None:
+    """Raise :class:`UnsupportedPlanError` when a non-reentrant first pass
+    (``context``, planned ``first``) and its recompute pass disagree."""
+    reason = recompute_mismatch_reason(first, recompute)
+    if reason is not None:
+        raise UnsupportedPlanError(
+            f"TE 2.20 cannot carry out the plans for {key}: {reason}. First pass: {first.summary()}. Recompute "
+            f"pass: {recompute.summary()}. Context of the first pass: {context}. Make the policy plan both "
+            "passes alike, or use a reentrant checkpoint (its first pass saves nothing)."
+        )
+
+
+def _label(value) -> str:
+    """How plans print a field's value (flags have a label, enums a value)."""
+    label = getattr(value, "label", None)
+    return label if isinstance(label, str) else str(value.value)
+
+
 def _backward_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
     """What backward reads, given the call."""
     source = plan.backward_source
@@ -80,8 +124,9 @@ def _backward_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None
                     "nothing can be kept for it: use backward_source=none")
         return None
     if not context.training:
-        # A recompute region's first pass: the checkpoint drops whatever TE
-        # saves, and the plan's backward fields describe the recompute pass.
+        # A non-reentrant checkpoint's first pass: backward reads the
+        # recompute pass's tensors, planned and checked at that pass; the
+        # binding checks that both passes keep the same things.
         return None
     override = context.backward_override
     if source is BackwardSource.HIGH_PRECISION and override is not BackwardOverride.HIGH_PRECISION:

@@ -19,7 +19,10 @@ What each check reads, and why it is sound:
   GEMM's weight key is found from the operand's logical shape (the caller
   gives each weight's shape; tests keep the shapes distinct from each
   other and from the activations). An fprop GEMM during forward is the
-  call's operand; one during backward is a recompute pass's.
+  call's operand; one during backward is a recompute pass's. During
+  backward ``quantize_weight`` is wrapped too: TE calls it only from
+  forward code, so in backward only from a recompute pass, and
+  LayerNormMLP's own recompute builds FC2's workspace without an fprop GEMM.
 * **Usages** are read from the storage at GEMM time: ``get_usages()``
   (Float8, block and MX storages all have it).
 * **Memory, not objects.** Every component tensor of an operand
@@ -310,6 +313,21 @@ class CallRecorder:
             return out
         return dequantize
 
+    def _quantize_wrapper(self, original):
+        """In backward, TE calls ``quantize_weight`` only from a recompute
+        pass. LayerNormMLP's own recompute skips the FC2 fprop GEMM (its
+        output is not needed) but still builds FC2's workspace for dgrad:
+        what the pass built is recorded here, since no GEMM shows it."""
+        def quantize_weight(*args, **kwargs):
+            out = original(*args, **kwargs)
+            built = out[0] if isinstance(out, tuple) else out
+            key = self._key_of(built)
+            if key is not None and self.records[key].recompute is None:
+                self.records[key].recompute = Operand.of(built, self.storage_base, self.parameter(key),
+                                                         self.cache().get(key))
+            return out
+        return quantize_weight
+
     @contextlib.contextmanager
     def _patched(self):
         saved = []
@@ -317,6 +335,9 @@ class CallRecorder:
             original = file.general_gemm
             saved.append((file, "general_gemm", original, True))
             file.general_gemm = self._gemm_wrapper(original)
+            if self.phase == "backward" and hasattr(file, "quantize_weight"):
+                saved.append((file, "quantize_weight", file.quantize_weight, True))
+                file.quantize_weight = self._quantize_wrapper(file.quantize_weight)
         for cls in _subclasses(self.storage_base):
             if "dequantize" in cls.__dict__:
                 original = cls.__dict__["dequantize"]

@@ -24,6 +24,7 @@ from workspace_manager import (
     LeanWorkspacePolicy,
     Microbatch,
     PolicyMismatchError,
+    RecomputeWorkspacePolicy,
     RecomputePass,
     RecomputeScope,
     Sharding,
@@ -69,6 +70,52 @@ def test_every_plan_of_a_shipped_policy_is_carried_out(ti, name):
         planned += 1
         assert ti.support.unsupported_reason(ctx, plan) is None, (ctx, plan.summary())
     assert planned > 100
+
+
+@pytest.mark.parametrize("name", POLICY_CHOICES)
+def test_a_shipped_policy_plans_both_passes_of_a_non_reentrant_checkpoint_alike(ti, name):
+    from dataclasses import replace
+
+    from workspace_manager import resolve_policy
+
+    pinned, checked = _policy_choices()[name], 0
+    for ctx in _contexts():
+        if not (ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled):
+            continue
+        again_ctx = replace(ctx, recompute=RecomputePass.RECOMPUTE)
+        try:  # as the binding plans a call with this policy pinned
+            first, again = resolve_policy(ctx, pinned).plan(ctx), resolve_policy(again_ctx, pinned).plan(again_ctx)
+        except PolicyMismatchError:
+            continue
+        checked += 1
+        assert ti.support.recompute_mismatch_reason(first, again) is None, (ctx, first.summary(), again.summary())
+    assert checked > 10
+
+
+@dataclass(frozen=True)
+class _RebuildsFirstSavesAgain(RecomputeWorkspacePolicy):
+    """A user policy that plans a rebuild in a non-reentrant first pass and a
+    saved workspace in the recompute pass (found by the GPU drawn-plan test:
+    TE's backward failed on the mismatched saved tensors)."""
+
+    def plan(self, ctx):
+        if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
+            return LeanWorkspacePolicy().plan(ctx.as_plain_forward())
+        return super().plan(ctx)
+
+
+def test_a_non_reentrant_checkpoint_refuses_passes_that_keep_different_things(ti):
+    from _fake_te import checkpoint
+
+    managed = ti.modules.convert_model(TELinear(8, 8), policy=_RebuildsFirstSavesAgain())
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(UnsupportedPlanError, match=r"backward_source is requantize in a non-reentrant checkpoint's "
+                                                   r"first pass but saved_workspace in its recompute pass"):
+        checkpoint(managed, x, use_reentrant=False)
+    assert ti.seams.ACTIVE.get() is None
+    # A reentrant checkpoint's first pass saves nothing: the same policy runs there.
+    checkpoint(managed, x, use_reentrant=True).sum().backward()
+    assert x.grad is not None
 
 
 @dataclass(frozen=True)
