@@ -36,8 +36,11 @@ and ``layernorm_mlp.py``):
   ``_checkpoint_hook`` and ``_recomputation_hook``). A first pass that
   saves a workspace and a recompute pass that saves the weight (or the
   other way round) do not line up, and TE's backward fails on them. So the
-  first pass's ``backward_source``, ``backward_usage`` and ``release`` must
-  equal those the same policy gives the recompute pass
+  first pass's ``backward_source``, ``backward_usage``, ``forward_usage``
+  and ``release`` must equal those the same policy gives the recompute
+  pass; and where a saved workspace's columnwise data is read in backward
+  but not built in forward, both passes bypass the cache or neither does (a cache entry is saved
+  with columnwise data derived for it, a fresh workspace without)
   (:func:`recompute_mismatch_reason`). A reentrant checkpoint's first pass
   runs with grad off and saves nothing, so the rule never applies to it.
 """
@@ -87,13 +90,27 @@ def recompute_mismatch_reason(first: WorkspacePlan, recompute: WorkspacePlan) ->
     """Why a non-reentrant checkpoint cannot run a first pass planned
     ``first`` whose recompute pass is planned ``recompute`` (naming the
     field), or None when the two keep the same things for backward."""
-    for field in ("backward_source", "backward_usage", "release"):
+    for field in _SAVE_FIELDS:
         mine, theirs = getattr(first, field), getattr(recompute, field)
         if mine != theirs:
             return (f"{field} is {_label(mine)} in a non-reentrant checkpoint's first pass but {_label(theirs)} in "
                     "its recompute pass; backward reads the first pass's record with the recompute pass's tensors "
                     f"put back by position, so both passes must plan the same {field}")
+    derived_later = Usage.COLUMNWISE in first.backward_usage and Usage.COLUMNWISE not in first.forward_usage
+    if (first.backward_source is BackwardSource.SAVED_WORKSPACE and derived_later
+            and (first.cache is CacheAction.BYPASS) != (recompute.cache is CacheAction.BYPASS)):
+        # Found by the GPU drawn-plan test: bypass in the first pass, fill in the recompute pass.
+        return (f"cache is {first.cache.value} in a non-reentrant checkpoint's first pass but {recompute.cache.value} "
+                "in its recompute pass, for a saved workspace whose columnwise data backward reads but forward does "
+                "not build: a fresh workspace is saved with its rowwise data only, a cache entry with the columnwise "
+                "data derived for it, so the two "
+                "passes would save different tensors, which backward matches by position: bypass the cache in both "
+                "passes or in neither, or build both usages in forward")
     return None
+
+
+#: The plan fields that decide which tensors a call saves for backward.
+_SAVE_FIELDS = ("backward_source", "backward_usage", "forward_usage", "release")
 
 
 def require_same_passes(key: str, context: WorkspaceContext, first: WorkspacePlan,

@@ -52,6 +52,10 @@ def test_unregistered_quantizer_fails_at_first_forward_with_the_registry_message
 
     _, managed = _pair()
     monkeypatch.setattr(default_registry, "_entries", {})
+    # As unregister() does: forget the per-class lookups and start a new
+    # generation, so that what an earlier test looked up is not served again.
+    monkeypatch.setattr(default_registry, "_by_class", {})
+    monkeypatch.setattr(default_registry, "generation", default_registry.generation + 1)
     with pytest.raises(UnknownQuantizerError, match="Float8CurrentScalingQuantizer.*register_quantizer"):
         _step(managed, recipe)
 

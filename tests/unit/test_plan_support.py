@@ -104,6 +104,25 @@ class _RebuildsFirstSavesAgain(RecomputeWorkspacePolicy):
         return super().plan(ctx)
 
 
+def test_a_bypassed_first_pass_and_a_filling_recompute_pass_are_refused(ti):
+    """The GPU drawn-plan case: same backward fields, forward rowwise only,
+    a saved workspace with derived columnwise data; the first pass bypasses
+    the cache and the recompute pass fills it."""
+    from dataclasses import replace
+
+    ctx = WorkspaceContext(capabilities=PROFILES["float8_delayed_scaling"], sharding=Sharding.NONE,
+                           microbatch=Microbatch.FIRST)
+    base = replace(WorkspacePolicy().plan(ctx), forward_usage=Usage.ROWWISE, columnwise_source=ColumnwiseSource.DERIVED)
+    filling, bypass = replace(base, cache=CacheAction.FILL), replace(base, cache=CacheAction.BYPASS)
+    assert ti.support.recompute_mismatch_reason(filling, filling) is None
+    reason = ti.support.recompute_mismatch_reason(bypass, filling)
+    assert reason is not None and "cache is bypass" in reason and "fill" in reason
+    # Both usages built in forward: a cache entry and a fresh workspace save the same tensors.
+    both = replace(filling, forward_usage=Usage.BOTH, columnwise_source=ColumnwiseSource.FORWARD)
+    assert ti.support.recompute_mismatch_reason(replace(both, cache=CacheAction.BYPASS), both) is None
+    assert "forward_usage" in ti.support.recompute_mismatch_reason(both, filling)
+
+
 def test_a_non_reentrant_checkpoint_refuses_passes_that_keep_different_things(ti):
     from _fake_te import checkpoint
 
