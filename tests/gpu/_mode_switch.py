@@ -45,10 +45,15 @@ class Phase:
     #: last, so the parameters stay gathered from each backward to the next
     #: microbatch's forward and are resharded before the optimizer step.
     accumulate: bool = False
+    #: After setting the phase's mode on the root, the last layer alone is
+    #: set to keep its weights gathered after forward (FSDP2's per-module
+    #: switch, as for a last layer whose backward runs first).
+    last_layer_keeps: bool = False
 
 
 #: The model is built with reshard_after_forward=False; each phase first sets
-#: its mode on the root (which recurses into every layer), then trains.
+#: its mode on the root (which recurses into every layer), then, in the last
+#: phase, keeps the last layer gathered on its own, then trains.
 PHASES = (
     Phase("keep", False, 4),
     Phase("reshard", True, 1),
@@ -57,6 +62,7 @@ PHASES = (
     Phase("keep, backward reshards", False, 4),
     Phase("reshard, backward keeps", True, 4, accumulate=True),
     Phase("reshard, backward reshards", True, 4),
+    Phase("reshard, last layer keeps", True, 4, last_layer_keeps=True),
 )
 
 
@@ -93,13 +99,13 @@ def _drop_ins(module) -> list:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, kinds)]
 
 
-def _plan_shardings(model) -> dict[str, list[str]]:
+def _plan_shardings(layer) -> dict[str, list[str]]:
     """``{module name: [ctx.sharding of each weight]}`` for the drop-ins of
     one layer, from ``last_plans``."""
     import te_integration as ti
 
     return {name: sorted(ctx.sharding.value for ctx, _ in ti.last_plans(m).values())
-            for name, m in _drop_ins(model[PLAN_LAYER])}
+            for name, m in _drop_ins(layer)}
 
 
 def _in_flight(model) -> int:
@@ -116,6 +122,9 @@ def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: boo
 
     model.set_reshard_after_forward(phase.reshard_after_forward)
     model.set_reshard_after_backward(True)
+    last_layer = list(model.children())[-1]
+    if phase.last_layer_keeps:
+        last_layer.set_reshard_after_forward(False)
     last = phase.microbatches - 1
 
     def before_each(m: int) -> None:
@@ -124,12 +133,13 @@ def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: boo
             model.set_reshard_after_backward(m == last)
 
     out = {"losses": [], "report_entries_before_step": [], "report_entries_after_step": [],
-           "after_step_tables": [], "plan_sharding": [], "in_flight_after_step": []}
+           "after_step_tables": [], "plan_sharding": [], "plan_sharding_last": [], "in_flight_after_step": []}
     for step in range(first_step, first_step + STEPS_PER_PHASE):
         out["losses"].append(forward_backward(model, recipe, step, phase.microbatches, before_each))
         meter.close_forward()
         if managed:
-            out["plan_sharding"].append(_plan_shardings(model))
+            out["plan_sharding"].append(_plan_shardings(model[PLAN_LAYER]))
+            out["plan_sharding_last"].append(_plan_shardings(last_layer))
             out["report_entries_before_step"].append(len(ti.workspace_report(model).entries))
         opt.step()
         opt.zero_grad(set_to_none=True)

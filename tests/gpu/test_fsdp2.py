@@ -33,6 +33,12 @@ def _config(report, recipe, qinit):
     pytest.fail(f"no result for {recipe} quantized_init={qinit}; errors: {report['errors']}")
 
 
+def test_world_size_is_reported(report, capsys):
+    assert report["world_size"] in (1, 2), report["world_size"]
+    with capsys.disabled():
+        print(f"\ntest_fsdp2 (memory, microbatch, recompute, attribution): world size {report['world_size']}")
+
+
 def test_worker_ran_every_configuration(report):
     errors = [e for e in report["errors"] if TE_WORLD1_BLOCK_QINIT not in e["traceback"] or report["world_size"] != 1]
     assert not errors, "\n".join(e["where"] + "\n" + e["traceback"] for e in errors)

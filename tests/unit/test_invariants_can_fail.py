@@ -1,8 +1,11 @@
 """Every shipped invariant can fire: each is fed a bad case and must raise.
 
 A plan here is a valid ``WorkspacePlan`` (its ``__post_init__`` accepts it)
-that breaks exactly the invariant under test, so each invariant is shown to
-catch something ``WorkspacePlan`` itself lets through.
+that breaks the invariant under test, so each invariant is shown to catch
+something ``WorkspacePlan`` itself lets through. Invariants overlap: the bad
+case of ``a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild`` (a
+saved workspace whose columnwise data a non-derivable format would have to
+derive) also breaks ``never_derives_what_the_format_cannot_derive``.
 """
 
 from __future__ import annotations

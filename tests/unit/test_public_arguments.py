@@ -149,6 +149,9 @@ def test_set_workspace_policy_names_the_bad_argument(ti):
     with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a WorkspacePolicy"):
         ti.set_workspace_policy(managed, {"cache": True})
     assert managed.workspace_policy is pinned  # the refused call left the pinned policy
+    with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a WorkspacePolicy"):
+        ti.set_workspace_policy(managed, WorkspacePolicy)  # the class, not an instance
+    assert managed.workspace_policy is pinned
     ti.set_workspace_policy(managed, None)
     assert managed.workspace_policy is None
 
@@ -171,6 +174,13 @@ def test_attribution_functions_name_the_bad_argument_at_the_call(ti):
         ti.record_workspaces(_model(), timeline="yes")
     report = ti.workspace_report(torch.nn.Sequential(torch.nn.ReLU()))
     assert report.entries == () and report.total_bytes == 0
+    # A model without TE modules records nothing (documented), and the block still closes.
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with ti.record_workspaces(plain) as recording:
+        plain(torch.randn(2, 4)).sum().backward()
+    assert len(recording.modules) == 0
+    assert recording.report().total_bytes == 0 and recording.report().entries == ()
+    assert ti.workspace_report(plain).total_bytes == 0
 
 
 # -- managed_construction --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Differential test: our policies against TE 2.20.2's own decisions.
 
 ``te_reference.py`` is a table of TE 2.20.2's decisions written by hand from
-TE 2.20.2's source, independently of this package. For every case it covers, each of five decisions (cache,
+TE 2.20.2's source, independently of this package. For every case it covers, each of five compared levers (cache,
 forward columnwise, workspace saved, backward rebuild, clear after
 backward) must either agree with TE or be explained by exactly the
 deliberate differences listed below, each of which has a section in
