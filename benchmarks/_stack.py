@@ -186,9 +186,9 @@ def install_seams() -> None:
     """Install the drop-ins' seams now, so stock and drop-in models run in
     the same process state whatever the order (stock modules pass through
     them unchanged, and the quantization counter sees both)."""
-    from te_integration import _seams
+    import te_integration
 
-    _seams.install()
+    te_integration.install_seams()
 
 
 class Probe:

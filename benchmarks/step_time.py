@@ -19,7 +19,9 @@ fit at once.
 One microbatch (the default) is FSDP2 with ``reshard_after_forward=True``.
 ``--microbatches 4,8`` adds the paired form of ``benchmarks.microbatch``:
 ``reshard_after_forward=False`` and that many microbatches per step. The
-drop-in's target is <= 1.01 of stock's step time in both.
+drop-in's target is <= 1.005 of stock's step time in both (the issue "the
+drop-ins cost no step time"; its 0.97 with microbatches assumed the
+microbatch cache on by default, which is now an option: see below).
 
 ``--policy NAME`` pins a policy on the drop-in model by its ``explain``
 name, e.g. an option of the shipped policies that is off by default:
@@ -57,6 +59,8 @@ DEFAULTS = {
 ORDER = ("stock", "dropin", "stock_again")
 #: The step-time ratio a pinned policy must reach to pay for memory over stock as a default would.
 OPTION_RATIO_MAX = 0.98
+#: The drop-in with its defaults: at most 0.5% slower than stock.
+DEFAULT_RATIO_MAX = 1.005
 CHECKPOINTS = ("none", "nonreentrant", "reentrant")
 
 
@@ -133,7 +137,7 @@ def dropin_time_row(case: str, sample: dict) -> dict:
         why = f"{sample['policy']} pinned: <= {OPTION_RATIO_MAX} is what a default that costs memory must buy"
         row["note"] = "; ".join(n for n in (why, row["note"]) if n)
         return row
-    return h.time_row(case, t["stock"], t["dropin"])
+    return h.time_row(case, t["stock"], t["dropin"], limit=DEFAULT_RATIO_MAX)
 
 
 def case_rows(case: str, sample: dict) -> list[dict]:

@@ -27,6 +27,7 @@ from ._attribution import WorkspaceRecording, record_workspaces, workspace_repor
 from ._steps import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._support import recompute_mismatch_reason, unsupported_reason
+from ._seams import install as install_seams
 
 __all__ = [
     "Linear",
@@ -42,6 +43,7 @@ __all__ = [
     "release_step_caches",
     "apply_workspace_budget",
     "unsupported_reason",
+    "install_seams",
     "recompute_mismatch_reason",
     "WorkspaceBudget",
     "BudgetEntry",

@@ -29,13 +29,16 @@ from hypothesis import strategies as st
 import _fake_te
 from _fake_te import TELinear, load_full_binding
 from workspace_manager import (
+    PROFILES,
     BackwardSource,
     ColumnwiseSource,
+    ContextTypeError,
     PolicyMismatchError,
     Sharding,
     Usage,
+    WorkspaceContext,
 )
-from workspace_manager.testing.plans import DrawnPlanPolicy
+from workspace_manager.testing.plans import DrawnPlanPolicy, meaningful_plans
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _conformance import CallRecorder  # noqa: E402
@@ -203,6 +206,29 @@ def test_every_drawn_plan_is_carried_out_or_refused_by_name(ti, setting, data):
         _assert_refusal_names_the_plan(err)
         return
     assert not problems, "\n".join(problems)
+
+
+def test_picked_plans_choose_on_any_thread_and_say_what_they_chose():
+    """The GPU drawn-plan test's chooser: asked from another thread (as
+    autograd's backward thread asks for a recompute pass's plan on a GPU),
+    it picks by the numbers drawn up front, in turn, and lists its choices."""
+    import threading
+
+    from workspace_manager.testing.plans import PickedPlans
+
+    ctx = WorkspaceContext(capabilities=PROFILES["float8_current_scaling"], sharding=Sharding.NONE)
+    plans = meaningful_plans(ctx)
+    assert len(plans) > 2
+    chooser, got = PickedPlans([1, len(plans) + 2]), []
+    policy = DrawnPlanPolicy(chooser=chooser)
+    worker = threading.Thread(target=lambda: got.append(policy.plan(ctx)))
+    worker.start()
+    worker.join()
+    assert got == [plans[1]] and chooser.chosen == [(ctx, plans[1])]
+    assert chooser(ctx, plans) is plans[2]  # the next pick, modulo the candidates
+    assert plans[1].summary() in chooser.describe()
+    with pytest.raises(ContextTypeError, match="non-empty list of non-negative ints"):
+        PickedPlans([])
 
 
 def carried_out_by_te(ctx, plan) -> bool:

@@ -61,10 +61,38 @@ from .._errors import ContextTypeError, InvalidPlanError
 from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 from .._policy import RecomputeWorkspacePolicy, _require_context, backward_usage
 
-__all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser"]
+__all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser", "PickedPlans"]
 
 #: ``chooser(context, candidates) -> one of candidates``.
 PlanChooser = Callable[[WorkspaceContext, tuple], object]
+
+
+class PickedPlans:
+    """A chooser for :class:`DrawnPlanPolicy` that picks by numbers drawn
+    up front (``picks``, reused in turn), so it can be asked on any thread.
+
+    A drawing chooser (``data.draw`` inside the chooser) works only on the
+    test's own thread. On a GPU, autograd runs backward, and with it every
+    recompute pass a checkpoint plans there, on a thread of its own, where
+    Hypothesis refuses to draw ("Cannot make notes outside of a test").
+    Picks drawn as integers still shrink toward each context's first
+    candidate. ``chosen`` lists ``(context, plan)`` in the order asked, for
+    the test's failure message."""
+
+    def __init__(self, picks: list[int]) -> None:
+        if not picks or not all(isinstance(p, int) and p >= 0 for p in picks):
+            raise ContextTypeError(f"PickedPlans needs a non-empty list of non-negative ints; received {picks!r}")
+        self.picks = list(picks)
+        self.chosen: list[tuple[WorkspaceContext, WorkspacePlan]] = []
+
+    def __call__(self, ctx: WorkspaceContext, candidates: tuple) -> WorkspacePlan:
+        plan = candidates[self.picks[len(self.chosen) % len(self.picks)] % len(candidates)]
+        self.chosen.append((ctx, plan))
+        return plan
+
+    def describe(self) -> str:
+        """The plans chosen, one line per context, in the order asked."""
+        return "\n".join(f"{ctx}: {plan.summary()}" for ctx, plan in self.chosen)
 
 
 def replay_context(ctx: WorkspaceContext) -> WorkspaceContext | None:
