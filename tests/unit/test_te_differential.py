@@ -1,9 +1,10 @@
 """Differential test: our policies against TE 2.20.2's own decisions.
 
 ``te_reference.py`` is a table of TE 2.20.2's decisions written by hand from
-TE 2.20.2's source, independently of this package. For every case it covers, each of five compared levers (cache,
-forward columnwise, workspace saved, backward rebuild, clear after
-backward) must either agree with TE or be explained by exactly the
+TE 2.20.2's source, independently of this package. For every case it
+covers, each compared lever (cache, forward columnwise, workspace saved and
+with which usages, backward rebuild and its usages, clear after backward,
+what a quantized parameter keeps) must either agree with TE or be explained by exactly the
 deliberate differences listed below, each of which has a section in
 ``docs/decisions.md``. A difference no entry explains fails the test, and
 so does an entry that explains nothing (the list cannot rot).
@@ -130,7 +131,18 @@ def our_decisions(case: ref.TECase, plan: WorkspacePlan) -> dict[str, object]:
         ours["parameter_keeps"] = plan.parameter_keeps.label
     if case.weight == "high_precision":
         ours["forward_columnwise"] = Usage.COLUMNWISE in plan.forward_usage
+        if ours["saved"]:
+            ours["saved_usages"] = (plan.backward_usage if _saves_columnwise_only(case, plan) else plan.forward_usage).label
     return ours
+
+
+def _saves_columnwise_only(case: ref.TECase, plan: WorkspacePlan) -> bool:
+    """D11, as the binding decides it (``te_integration/_state.py``): a fresh
+    (uncached) workspace saved for a backward that reads only its columnwise
+    data, outside recompute passes."""
+    return (case.weight == "high_precision" and case.recompute == "none" and plan.cache is CacheAction.BYPASS
+            and plan.backward_source is BackwardSource.SAVED_WORKSPACE and plan.backward_usage == Usage.COLUMNWISE
+            and Usage.COLUMNWISE in plan.forward_usage)
 
 
 def te_decisions(case: ref.TECase, te: ref.TEDecision) -> dict[str, object]:
@@ -149,6 +161,9 @@ def te_decisions(case: ref.TECase, te: ref.TEDecision) -> dict[str, object]:
         out["parameter_keeps"] = "rowwise+columnwise"
     if te.forward_columnwise is not None:
         out["forward_columnwise"] = te.forward_columnwise
+        if te.workspace_saved:
+            # TE saves the workspace forward built, with every usage it has.
+            out["saved_usages"] = "rowwise+columnwise" if te.forward_columnwise else "rowwise"
     return out
 
 
@@ -182,7 +197,7 @@ def _first(case):
 DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         "D1-first-pass-keeps-nothing",
-        frozenset({"saved", "rebuild", "clear", "forward_columnwise"}),
+        frozenset({"saved", "rebuild", "clear", "forward_columnwise", "saved_usages"}),
         # The first pass's saved tensors are dropped by checkpointing; its
         # backward decisions are the recompute pass's. Columnwise is built
         # only when a cache that the recompute pass reads is filled.
@@ -251,6 +266,11 @@ DIFFERENCES: tuple[Difference, ...] = (
         "D9-rebuild-quantizes-only-what-backward-reads",
         frozenset({"rebuild_usages"}),
         lambda case, plan: True,
+    ),
+    Difference(
+        "D11-saved-workspace-keeps-what-backward-reads",
+        frozenset({"saved_usages"}),
+        _saves_columnwise_only,
     ),
 )
 
@@ -333,7 +353,9 @@ def test_differences_are_documented():
 )
 def test_plain_training_matches_te_exactly(module):
     """The everyday case: unsharded weight, grad, dgrad, no override, every
-    microbatch position. No deliberate difference applies here."""
+    microbatch position. Only D11 applies here: without microbatches the
+    saved workspace keeps its columnwise data only (TE keeps both); every
+    other decision is TE's."""
     cases = [
         c
         for c in ref.ALL_CASES
@@ -347,7 +369,11 @@ def test_plain_training_matches_te_exactly(module):
     assert cases
     for case in cases:
         plan = select_policy(context_for(case)).plan(context_for(case))
-        assert our_decisions(case, plan) == te_decisions(case, ref.te_decision(case)), case
+        ours, theirs = our_decisions(case, plan), te_decisions(case, ref.te_decision(case))
+        if case.weight == "high_precision":
+            want = "columnwise" if case.microbatch == "none" else theirs["saved_usages"]
+            assert ours.pop("saved_usages") == want and theirs.pop("saved_usages") == "rowwise+columnwise", case
+        assert ours == theirs, case
 
 
 def test_fsdp2_reshard_matches_te_on_the_leak_fix():
