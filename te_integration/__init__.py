@@ -28,6 +28,7 @@ from ._steps import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._support import recompute_mismatch_reason, unsupported_reason
 from ._seams import install as install_seams
+from ._seams import uninstall as uninstall_seams
 
 __all__ = [
     "Linear",
@@ -44,6 +45,7 @@ __all__ = [
     "apply_workspace_budget",
     "unsupported_reason",
     "install_seams",
+    "uninstall_seams",
     "recompute_mismatch_reason",
     "WorkspaceBudget",
     "BudgetEntry",

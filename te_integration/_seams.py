@@ -35,7 +35,7 @@ from . import _attribution
 from . import _compat as te
 from ._state import Levers, ModuleKind, ModuleWorkspaceState, RebuildQuantizer
 from ._steps import release_after_step
-from ._foreign import SeamedName, in_place, refuse_foreign_patches
+from ._foreign import ForeignPatchError, SeamedName, foreign_patches, in_place, refuse_foreign_patches
 
 #: The drop-in module whose TE forward is running (between its
 #: ``prepare_forward`` and ``end_forward``), or None.
@@ -75,6 +75,9 @@ def is_distributed(weight: Any) -> bool:
 #: the weight it gathered, a tensor the seam never sees before.
 GATHERED = object()
 _SEAMED: tuple[SeamedName, ...] = ()
+#: What each seamed name held before install put the seam there (TE's own
+#: definition: install refuses anything else), for uninstall to put back.
+_REPLACED: dict[tuple[int, str], object] = {}
 
 
 # -- S1: quantize_weight ------------------------------------------------------
@@ -489,5 +492,32 @@ def install() -> None:
         names = _SEAMED or _seamed_names()
         refuse_foreign_patches(names)
         for seamed in names:
+            current = getattr(seamed.module, seamed.name)
+            if current is not seamed.ours:
+                _REPLACED[(id(seamed.module), seamed.name)] = current
             setattr(seamed.module, seamed.name, seamed.ours)
         _SEAMED, INSTALLED = names, True
+
+
+def uninstall() -> None:
+    """Put TE's own definitions back where install put the seams: stock TE
+    modules then run TE's code untouched. The next drop-in call installs
+    the seams again (each drop-in checks before its call).
+
+    Raises :class:`ForeignPatchError`, changing nothing, while another
+    library's patch holds one of those names (it is that library's to
+    undo), and RuntimeError during a drop-in's forward."""
+    global INSTALLED
+    with _INSTALL_LOCK:
+        if ACTIVE.get() is not None:
+            raise RuntimeError("uninstall_seams() was called inside a drop-in's forward; call it between calls")
+        if not _SEAMED:
+            return  # never installed
+        found = foreign_patches(_SEAMED)
+        if found:
+            raise ForeignPatchError("te_integration cannot take its seams out of TransformerEngine: " + "; ".join(found)
+                                    + ". That patch is its library's to undo. Nothing was changed.")
+        for seamed in _SEAMED:
+            if getattr(seamed.module, seamed.name) is seamed.ours:
+                setattr(seamed.module, seamed.name, _REPLACED[(id(seamed.module), seamed.name)])
+        INSTALLED = False

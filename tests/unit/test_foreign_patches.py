@@ -165,3 +165,50 @@ def test_a_patch_over_installed_seams_is_refused_at_a_drop_ins_first_forward(mon
             second(torch.randn(4, 8))
         assert type(info.value).__name__ == "ForeignPatchError"
         assert linear.quantize_weight is patched and ti.seams.ACTIVE.get() is None
+
+
+# -- uninstall ---------------------------------------------------------------------
+def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monkeypatch):
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    tes_own = te.holders()
+    seams.uninstall()  # before any install: nothing to do
+    assert te.holders() == tes_own
+    seams.install()
+    assert te.holders() != tes_own
+    seams.uninstall()
+    assert te.holders() == tes_own and seams.INSTALLED is False
+    seams.install()
+    assert seams._LayerNormMLP is te.lnmlp._LayerNormMLP and seams.INSTALLED is True
+
+
+@pytest.mark.parametrize("where, name", SEAMED, ids=[f"{w}.{n}" for w, n in SEAMED])
+def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch, where, name):
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    seams.install()
+    module = getattr(te, where)
+    setattr(module, name, _foreign_for(te, where, name))
+    before = te.holders()
+    with pytest.raises(binding["_foreign"].ForeignPatchError, match=r"cannot take its seams out.*Nothing was changed"):
+        seams.uninstall()
+    assert te.holders() == before and seams.INSTALLED is True
+
+
+def test_uninstall_refuses_inside_a_drop_ins_forward(monkeypatch):
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    seams = binding["_seams"]
+    monkeypatch.setattr(seams, "INSTALLED", False)
+    seams.install()
+    token = seams.ACTIVE.set(object())
+    try:
+        with pytest.raises(RuntimeError, match="inside a drop-in's forward"):
+            seams.uninstall()
+    finally:
+        seams.ACTIVE.reset(token)
+    assert seams.INSTALLED is True
