@@ -168,6 +168,15 @@ def test_a_patch_over_installed_seams_is_refused_at_a_drop_ins_first_forward(mon
 
 
 # -- uninstall ---------------------------------------------------------------------
+def _installed(monkeypatch):
+    """A stand-in TE with the seams installed: (te, binding, its _seams)."""
+    te = _StandInTE()
+    binding = _load(monkeypatch, te)
+    monkeypatch.setattr(binding["_seams"], "INSTALLED", False)
+    binding["_seams"].install()
+    return te, binding, binding["_seams"]
+
+
 def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monkeypatch):
     te = _StandInTE()
     binding = _load(monkeypatch, te)
@@ -186,11 +195,7 @@ def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monke
 
 @pytest.mark.parametrize("where, name", SEAMED, ids=[f"{w}.{n}" for w, n in SEAMED])
 def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch, where, name):
-    te = _StandInTE()
-    binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
-    monkeypatch.setattr(seams, "INSTALLED", False)
-    seams.install()
+    te, binding, seams = _installed(monkeypatch)
     module = getattr(te, where)
     setattr(module, name, _foreign_for(te, where, name))
     before = te.holders()
@@ -200,11 +205,7 @@ def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch
 
 
 def test_uninstall_refuses_inside_a_drop_ins_forward(monkeypatch):
-    te = _StandInTE()
-    binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
-    monkeypatch.setattr(seams, "INSTALLED", False)
-    seams.install()
+    te, binding, seams = _installed(monkeypatch)
     token = seams.ACTIVE.set(object())
     try:
         with pytest.raises(RuntimeError, match="inside a drop-in's forward"):
