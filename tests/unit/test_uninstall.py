@@ -4,11 +4,14 @@ next drop-in call installs the seams again, with the same numbers."""
 
 from __future__ import annotations
 
+import gc
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from _fake_te import TELinear, load_full_binding
+from _fake_te import __file__ as _fake_te_file
 
 
 @pytest.fixture
@@ -16,22 +19,36 @@ def ti(monkeypatch):
     return load_full_binding(monkeypatch)
 
 
-def _python_calls(fn, repeat: int = 5) -> float:
-    """Python-level calls per run of ``fn`` (a count, not a time)."""
+#: The binding's own folder, and the stand-in TE's file.
+BINDING_DIR = str(Path(__file__).resolve().parents[2] / "te_integration")
+FAKE_TE = str(Path(_fake_te_file).resolve())
+
+
+def _python_calls(fn, repeat: int = 5) -> tuple[float, float]:
+    """Python-level calls per run of ``fn`` (a count, not a time) made in
+    te_integration's files and in the stand-in TE's: (binding, TE). Other
+    frames (torch, a garbage collection's callbacks) are not counted."""
     fn()
-    calls = [0]
+    calls = {"te_integration": 0, "_fake_te": 0}
 
     def profile(frame, event, arg):
         if event == "call":
-            calls[0] += 1
+            path = frame.f_code.co_filename
+            if path.startswith(BINDING_DIR):
+                calls["te_integration"] += 1
+            elif path == FAKE_TE:
+                calls["_fake_te"] += 1
 
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         for _ in range(repeat):
             fn()
     finally:
         sys.setprofile(None)
-    return calls[0] / repeat
+        gc.enable()
+    return calls["te_integration"] / repeat, calls["_fake_te"] / repeat
 
 
 def test_a_stock_module_runs_tes_code_untouched_after_uninstall(ti):
@@ -42,13 +59,13 @@ def test_a_stock_module_runs_tes_code_untouched_after_uninstall(ti):
     def stock_call():
         stock(x).sum().backward()
 
-    pristine = _python_calls(stock_call)
+    binding, te_calls = _python_calls(stock_call)
+    assert binding == 0 and te_calls > 0  # before any install: TE's code alone
     out = managed(x)  # the first drop-in call installs the seams
     assert ti.seams.INSTALLED
-    through_seams = _python_calls(stock_call)
-    assert through_seams > pristine  # installed seams: stock calls pass through them
+    assert _python_calls(stock_call)[0] > 0  # installed seams: stock calls pass through them
     ti.seams.uninstall()  # te_integration.uninstall_seams
     assert not ti.seams.INSTALLED
-    assert _python_calls(stock_call) == pristine
+    assert _python_calls(stock_call) == (0, te_calls)
     again = managed(x)  # the next drop-in call installs them again
     assert ti.seams.INSTALLED and torch.equal(out, again)
