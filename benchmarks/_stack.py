@@ -191,6 +191,18 @@ def install_seams() -> None:
     te_integration.install_seams()
 
 
+def seams_for(managed: bool) -> None:
+    """Before a timed step or block: the seams installed for a drop-in, and
+    taken out for stock TE, so stock runs TE's code untouched (timing
+    benchmarks only: the quantization counter needs them installed)."""
+    import te_integration
+
+    if managed:
+        te_integration.install_seams()
+    else:
+        te_integration.uninstall_seams()
+
+
 class Probe:
     """Synchronizing memory marks for one step: before and after the first
     microbatch's forward and backward, after every layer's forward (forward
@@ -371,7 +383,9 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
     """Build every model of ``specs`` ({label: spec}) and train them in turn,
     one step each: ``steps.warmup`` untimed rounds, then ``steps.timed``
     timed ones. Each step is timed between two synchronizations and reported
-    as the slowest rank's. Drift in clocks or load then hits every model alike."""
+    as the slowest rank's. Drift in clocks or load then hits every model alike.
+    Stock models step with the seams taken out (see :func:`seams_for`), so
+    the ratios compare against TE's own code; the seams come back after."""
     release_memory()
     models = {label: build(spec) for label, spec in specs.items()}
     opts = {label: optimizer_for(model) for label, model in models.items()}
@@ -383,6 +397,7 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
         for step in range(steps.warmup + steps.timed):
             batches = make_batches(size, step, steps.micro)
             for label, model in models.items():
+                seams_for(specs[label].managed)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step_losses = run_step(model, opts[label], recipes[label], batches)
@@ -393,5 +408,6 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
         return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses,
                 "specs": {label: spec.as_dict() for label, spec in specs.items()}}
     finally:
+        seams_for(True)
         del models, opts
         release_memory()

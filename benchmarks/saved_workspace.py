@@ -40,9 +40,13 @@ from pathlib import Path
 
 import torch
 
+from ._stack import seams_for
+
 MIB = 2**20
 RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 VARIANTS = ("stock", "dropin", "lean", "stock_again")
+#: The variants that are stock TE (also the bf16 row's models).
+STOCK_LABELS = ("stock", "stock_again")
 
 
 @dataclass(frozen=True)
@@ -150,9 +154,17 @@ def timed_steps(models: dict, stack: Stack, recipe, warmup: int, timed: int) -> 
     """The models take turns, one forward and backward each, so drift hits
     them alike; each step between two synchronizations (input made before)."""
     times: dict[str, list[float]] = {label: [] for label in models}
+    try:
+        return _turns(models, stack, recipe, warmup, timed, times)
+    finally:
+        seams_for(True)
+
+
+def _turns(models: dict, stack: Stack, recipe, warmup: int, timed: int, times: dict) -> dict[str, list[float]]:
     for n in range(warmup + timed):
         x = inputs(stack, 1_000 + n)
         for label, model in models.items():
+            seams_for(label not in STOCK_LABELS)  # stock steps run TE's own code
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             forward_backward(model, x, recipe)

@@ -39,41 +39,79 @@ __all__ = [
 ]
 
 
+class _FreshIsFsdp2:
+    """TE's ``is_fsdp2`` flag on a drop-in, answered from FSDP2's state for
+    this module: it follows ``fully_shard`` and ``set_reshard_after_forward``,
+    and a composable parent that is not FSDP2 does not crash it.
+
+    A non-data descriptor, so that during a module call the value read once
+    in ``prepare_forward`` (kept in the instance dict until ``end_forward``)
+    answers TE's reads without running Python; outside calls it is read afresh."""
+
+    def __get__(self, module: Any, owner: type | None = None) -> Any:
+        if module is None:
+            return self
+        return state_of(module).probe(module).is_fsdp2
+
+
 class _ManagedModule:
     """Mixin placed before a TE module class. Its one piece of state is a
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
-    instance can be converted by swapping its class."""
+    instance can be converted by swapping its class.
+
+    Between TE's ``prepare_forward`` and ``end_forward`` the instance dict
+    also holds the call's marks: ``_wm_previous`` (the module ACTIVE named
+    before) and ``is_fsdp2`` (see :class:`_FreshIsFsdp2`). Every managed
+    call runs these two methods, so they avoid Python calls of their own."""
 
     _wm_kind: ClassVar[ModuleKind]
     #: The module's state; the class default None means "not made yet".
     _wm_state: ModuleWorkspaceState | None = None
-    #: The token of this module's mark in ACTIVE while its TE forward runs.
-    _wm_token: Any = None
+    #: Whether this module is marked ACTIVE (its TE forward is running).
+    _wm_marked: bool = False
     #: Whether this module's first managed call has run ``install`` (its
     #: state may exist before: TE's constructor calls ``reset_parameters``).
     _wm_installed: bool = False
+    is_fsdp2 = _FreshIsFsdp2()
 
     def prepare_forward(self, inp: Any, *args: Any, **kwargs: Any) -> Any:
-        # Inside a torch.compile trace TE's compiled path runs (Linear); it
-        # stays stock. Elsewhere the module is active until end_forward.
-        compiling = torch.compiler.is_dynamo_compiling()
-        if not compiling and (not self._wm_installed or not _seams.INSTALLED):
-            # At each drop-in's first call, finding foreign patches made since;
-            # before TE's prepare_forward, whose NVTX range and recompute
-            # metadata only end_forward undoes, so a refusal leaves them alone.
-            install()
-            state_of(self)
-            self.__dict__["_wm_installed"] = True
+        if torch.compiler.is_dynamo_compiling():
+            # Inside a torch.compile trace TE's compiled path runs (Linear); it stays stock.
+            return super().prepare_forward(inp, *args, **kwargs)
+        if not self._wm_installed or not _seams.INSTALLED:
+            self._first_managed_call()
+        state = self._wm_state
+        probe = state.sharding_probe
+        sharding = probe.current() if probe is not None else None
+        if sharding is None:  # first call, or FSDP2 states were added or removed since
+            probe = state.probe(self)
+            sharding = probe.read()
         inp = super().prepare_forward(inp, *args, **kwargs)
-        if not compiling:
-            self.__dict__["_wm_token"] = ACTIVE.set(self)
+        # Marked only once TE's prepare_forward returned: end_forward follows for sure.
+        state.call_sharding = sharding
+        d = self.__dict__
+        d["is_fsdp2"] = probe.is_fsdp2
+        d["_wm_previous"] = ACTIVE.module
+        d["_wm_marked"] = True
+        ACTIVE.module = self
         return inp
 
+    def _first_managed_call(self) -> None:
+        """At each drop-in's first call (and after ``uninstall_seams``): find
+        foreign patches made since, and install the seams; before TE's
+        prepare_forward, whose NVTX range and recompute metadata only
+        end_forward undoes, so a refusal leaves them alone."""
+        install()
+        state_of(self)
+        self.__dict__["_wm_installed"] = True
+
     def end_forward(self) -> None:
-        token = self._wm_token
-        if token is not None:
-            self.__dict__["_wm_token"] = None
-            ACTIVE.reset(token)
+        if self._wm_marked:
+            d = self.__dict__
+            ACTIVE.module = d["_wm_previous"]
+            d["_wm_marked"] = False
+            del d["is_fsdp2"]
+            self._wm_state.call_sharding = None
         super().end_forward()
 
     def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
@@ -94,17 +132,6 @@ class _ManagedModule:
     @workspace_policy.setter
     def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
         state_of(self).policy = policy
-
-    @property
-    def is_fsdp2(self) -> bool:
-        """TE's own FSDP2 flag, answered from FSDP2's state for this module:
-        it follows ``fully_shard`` and ``set_reshard_after_forward``, and a
-        composable parent that is not FSDP2 does not crash it."""
-        state = self._wm_state or state_of(self)
-        probe = state.sharding_probe  # TE asks on every call: the stale check is the only call
-        if probe is None or probe.stale():
-            probe = state.probe(self)
-        return probe.is_fsdp2
 
 
 class Linear(_ManagedModule, te.TELinear):

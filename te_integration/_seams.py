@@ -25,7 +25,6 @@ managed calls TE handles itself) run TE's code unchanged:
 
 from __future__ import annotations
 
-import contextvars
 import threading
 from typing import Any
 
@@ -37,9 +36,30 @@ from ._state import Levers, ModuleKind, ModuleWorkspaceState, RebuildQuantizer
 from ._steps import release_after_step
 from ._foreign import ForeignPatchError, SeamedName, foreign_patches, in_place, refuse_foreign_patches
 
-#: The drop-in module whose TE forward is running (between its
-#: ``prepare_forward`` and ``end_forward``), or None.
-ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("te_wm_active_module", default=None)
+class _Active(threading.local):
+    """The drop-in module whose TE forward is running in this thread
+    (between its ``prepare_forward`` and ``end_forward``), or None.
+
+    The hot paths read and write ``module`` directly: an attribute of a
+    thread-local costs no Python call, where a ``ContextVar`` costs one per
+    read. Per thread, as autograd runs a recompute pass's forward on its own
+    thread. ``get``/``set``/``reset`` are the same for other callers."""
+
+    module: Any = None
+
+    def get(self) -> Any:
+        return self.module
+
+    def set(self, module: Any) -> Any:
+        """Mark ``module``; returns the token for :meth:`reset` (the module marked before)."""
+        previous, self.module = self.module, module
+        return previous
+
+    def reset(self, token: Any) -> None:
+        self.module = token
+
+
+ACTIVE = _Active()
 
 _LEDGER = _attribution.LEDGER
 _INSTALL_LOCK = threading.Lock()
@@ -88,7 +108,7 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     The binding owns the cache: TE's ``workspace``/``cache`` arguments are
     ignored and no new workspace is returned, so TE never stores one.
     """
-    module = ACTIVE.get()
+    module = ACTIVE.module
     levers = None
     if module is not None:
         weights = module._wm_state.weights
@@ -114,13 +134,13 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
             quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
         out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
                                     skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
-        if levers.saves_columnwise_only:
-            # D11: the rowwise tensors, found now: TE's prepare_for_saving
-            # empties the storage before its forward returns (see _run_planned).
-            parts = _rowwise_parts(out)
-            if parts:
-                state = module._wm_state
-                state.rowwise_parts = parts if state.rowwise_parts is None else state.rowwise_parts + parts
+    if levers.saves_columnwise_only and not hit:  # a fresh workspace (a cache entry keeps what it holds)
+        # D11: the rowwise tensors, found now: TE's prepare_for_saving
+        # empties the storage before its forward returns (see _end_call).
+        parts = _rowwise_parts(out)
+        if parts:
+            state = module._wm_state
+            state.rowwise_parts = parts if state.rowwise_parts is None else state.rowwise_parts + parts
     if _LEDGER.enabled:
         _attribution.forward_workspace(module, levers.key, levers.plan, out, from_cache=hit)
     return out, None
@@ -163,14 +183,25 @@ def _rowwise_parts(workspace) -> list:
     ``_data`` next to a valid ``_transpose``; block/MX/NVFP4
     ``_rowwise_data`` and ``_rowwise_scale_inv`` next to ``_columnwise_data``).
     Per-tensor FP8's ``_scale_inv`` serves both, so it stays."""
+    if type(workspace) in _TRANSPOSE_LAYOUTS:  # every D11 call of per-tensor FP8: attribute reads only
+        data = workspace._data
+        return [data] if data is not None and workspace._transpose is not None and not workspace._transpose_invalid \
+            else []
     transpose = getattr(workspace, "_transpose", None)
     if transpose is not None and not getattr(workspace, "_transpose_invalid", False):
         data = getattr(workspace, "_data", None)
+        if data is not None and isinstance(workspace, te.QuantizedTensorStorage):  # a TE class: one layout
+            _TRANSPOSE_LAYOUTS.add(type(workspace))
         return [data] if data is not None else []
     if getattr(workspace, "_columnwise_data", None) is not None:
         return [t for t in (getattr(workspace, "_rowwise_data", None), getattr(workspace, "_rowwise_scale_inv", None))
                 if t is not None]
     return []
+
+
+#: Storage classes seen with the per-tensor layout (``_data``, ``_transpose``,
+#: ``_transpose_invalid``).
+_TRANSPOSE_LAYOUTS: set[type] = set()
 
 
 def _save_columnwise_only(ctx, parts: list) -> None:
@@ -211,32 +242,31 @@ def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
 
 
 # -- S2: the autograd Functions ---------------------------------------------
-def _active(kind: ModuleKind) -> Any:
-    """The active drop-in, if it is of ``kind`` (a stock module's Function
-    never sees one: see the module docstring)."""
-    module = ACTIVE.get()
-    return module if module is not None and module._wm_kind is kind else None
+# These run on every call of every TE module once installed, so their common
+# paths are spelled inline: attribute reads, one memo lookup
+# (ModuleWorkspaceState.levers) and TE's own Function; each Python call
+# avoided is about a microsecond of host time per module call.
 
-
-def _run_planned(module, weights: tuple, te_forward, *args):
-    """Run TE's forward with ``weights`` (tensor, levers, ...) in flight;
-    keep the workspaces it filled only if it returned."""
-    state: ModuleWorkspaceState = module._wm_state
-    state.weights = weights
-    try:
-        out = te_forward(*args)
-        if state.pending:
-            state.commit(module._fp8_workspaces)
-        if state.rowwise_parts and args[0] is not None:
-            _save_columnwise_only(args[0], state.rowwise_parts)
-        return out
-    finally:
-        state.weights = ()
-        state.pending = None
-        state.rowwise_parts = None
+def _gate(args: dict) -> tuple[int, ...] | None:
+    """Positions of the pass-through test's fields in TE's argument tuple
+    (None for an argument map without them: a test stand-in of TE)."""
+    names = ("fp8", "debug", "fsdp_group", "skip_fp8_weight_update", "cpu_offloading")
+    return tuple(args[name] for name in names) if all(name in args for name in names) else None
 
 
 _LINEAR, _LNL, _LNMLP = ModuleKind.LINEAR, ModuleKind.LAYERNORM_LINEAR, ModuleKind.LAYERNORM_MLP
+_LNL_GATE, _LNMLP_GATE = _gate(getattr(te, "LNL_ARGS", {})), _gate(getattr(te, "LNMLP_ARGS", {}))
+
+
+def _end_call(module, ctx) -> None:
+    """TE's forward returned with something to keep: the workspaces it
+    filled go into the module's cache, and D11 edits what ``ctx`` saves
+    (see :func:`_save_columnwise_only`). A failed forward keeps neither."""
+    state: ModuleWorkspaceState = module._wm_state
+    if state.pending:
+        state.commit(module._fp8_workspaces)
+    if state.rowwise_parts and ctx is not None:
+        _save_columnwise_only(ctx, state.rowwise_parts)
 
 
 class _Linear(te.LinearFunction):
@@ -244,14 +274,16 @@ class _Linear(te.LinearFunction):
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
-        # The hot path of every managed call: attribute reads and one memo
-        # lookup, few Python calls (each costs about a microsecond on a busy
-        # host). The gate is passes_through(), spelled inline.
-        module = ACTIVE.get()
+        module = ACTIVE.module  # the gate below is passes_through(), spelled inline
         if (module is None or module._wm_kind is not _LINEAR or not fwd_args.fp8 or fwd_args.debug
                 or fwd_args.fsdp_group is not None or fwd_args.skip_fp8_weight_update is not None
                 or fwd_args.cpu_offloading or te.graph_flags._IS_GRAPH_CAPTURING):
-            return _observed(ctx, None, te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args))
+            out = te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args)
+            if ctx is not None:
+                ctx._te_wm_release = None
+                if _LEDGER.enabled:
+                    _attribution.tag(ctx, _attribution.current_module())
+            return out
         state: ModuleWorkspaceState = module._wm_state
         distributed = getattr(weight, "is_distributed_weight", False) and is_distributed(weight)
         levers = state.levers(
@@ -260,13 +292,18 @@ class _Linear(te.LinearFunction):
             te_recompute_code() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else 0, False, distributed,
         )
         fwd_args.is_fsdp2 = levers.drops_workspace
-        weights = (GATHERED if distributed else weight, levers)
-        out = _run_planned(module, weights, te.LinearFunction.forward, ctx, weight, inp, bias, fwd_args)
+        state.weights = (GATHERED if distributed else weight, levers)
+        try:
+            out = te.LinearFunction.forward(ctx, weight, inp, bias, fwd_args)
+            if state.pending or state.rowwise_parts:
+                _end_call(module, ctx)
+        finally:
+            state.weights, state.pending, state.rowwise_parts = (), None, None
         if ctx is not None:
             bwd = ctx.backward_objects
             bwd.is_fsdp2 = levers.te_clear
             if levers.no_backward_quantizer or levers.rebuild_usage is not None:
-                bwd.weight_quantizer = _backward_quantizer(state, levers, bwd.weight_quantizer)
+                bwd.weight_quantizer = state.backward_quantizer(levers, bwd.weight_quantizer)
             ctx._te_wm_release = _release_record(module, (weight, levers)) if levers.releases else None
             if _LEDGER.enabled:
                 _attribution.tag(ctx, module)
@@ -274,6 +311,8 @@ class _Linear(te.LinearFunction):
 
     @staticmethod
     def backward(ctx, grad_output, grad_workspace):
+        if ctx._te_wm_release is None and not _LEDGER.enabled:
+            return te.LinearFunction.backward(ctx, grad_output, grad_workspace)
         return _backward(ctx, te.LinearFunction.backward, grad_output, grad_workspace)
 
 
@@ -282,43 +321,41 @@ class _LayerNormLinear(te.LNLFunction):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, non_tensor_args):
-        module, a = ACTIVE.get(), te.LNL_ARGS
-        nta = non_tensor_args
-        if module is None or module._wm_kind is not _LNL or _passes_through_tuple(nta, a):
+        module, a, nta = ACTIVE.module, te.LNL_ARGS, non_tensor_args
+        fp8, debug, group, skip, offload = _LNL_GATE
+        if (module is None or module._wm_kind is not _LNL or not nta[fp8] or nta[debug] or nta[group] is not None
+                or nta[skip] is not None or nta[offload] or te.graph_flags._IS_GRAPH_CAPTURING):
             out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
-            return _observed(ctx, None, out)
+            return _observed(ctx, None, out) if _LEDGER.enabled else out
         state: ModuleWorkspaceState = module._wm_state
-        distributed = is_distributed(weight)
+        distributed = getattr(weight, "is_distributed_weight", False) and is_distributed(weight)
+        recipe = te.FP8GlobalStateManager.get_fp8_recipe()
         levers = state.levers(
             module, "weight", weight, nta[a["weight_quantizer"]], nta[a["is_grad_enabled"]], True,
-            nta[a["is_first_microbatch"]], _recipe_backward_override(),
+            nta[a["is_first_microbatch"]], getattr(recipe, "backward_override", None),
             te_recompute_code() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else 0, False, distributed,
         )
-        nta = _replace_at(nta, a["is_fsdp2"], levers.drops_workspace)
-        weights = (GATHERED if distributed else weight, levers)
-        out = _run_planned(module, weights, te.LNLFunction.forward, ctx, inp, ln_weight, ln_bias, weight,
-                           weight_workspace, bias, nta)
+        i = a["is_fsdp2"]
+        nta = nta[:i] + (levers.drops_workspace,) + nta[i + 1:]
+        state.weights = (GATHERED if distributed else weight, levers)
+        try:
+            out = te.LNLFunction.forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, nta)
+            if state.pending or state.rowwise_parts:
+                _end_call(module, ctx)
+        finally:
+            state.weights, state.pending, state.rowwise_parts = (), None, None
         if ctx is not None and nta[a["is_grad_enabled"]]:
             ctx.is_fsdp2 = levers.te_clear
             if levers.no_backward_quantizer or levers.rebuild_usage is not None:
-                ctx.weight_quantizer = _backward_quantizer(state, levers, ctx.weight_quantizer)
-            ctx._te_wm_release = _release_record(module, (weight, levers))
-        return _observed(ctx, module, out)
+                ctx.weight_quantizer = state.backward_quantizer(levers, ctx.weight_quantizer)
+            ctx._te_wm_release = _release_record(module, (weight, levers)) if levers.releases else None
+        return _observed(ctx, module, out) if _LEDGER.enabled else out
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        if getattr(ctx, "_te_wm_release", None) is None and not _LEDGER.enabled:
+            return te.LNLFunction.backward(ctx, *grad_outputs)
         return _backward(ctx, te.LNLFunction.backward, *grad_outputs)
-
-
-def _backward_quantizer(state: ModuleWorkspaceState, levers: Levers, quantizer):
-    """The weight quantizer TE's backward gets: none where dgrad reads the
-    high-precision weight (TE must not rebuild), a narrowed one where the
-    plan's rebuild builds fewer usages than TE asks for (D9)."""
-    if levers.no_backward_quantizer or quantizer is None:
-        return None
-    if isinstance(quantizer, RebuildQuantizer):  # set already (LayerNormMLP's own recompute)
-        quantizer = quantizer.quantizer
-    return state.rebuild_quantizer(levers.key, quantizer, levers.rebuild_usage)
 
 
 class _LayerNormMLP(te.LNMLPFunction):
@@ -329,26 +366,37 @@ class _LayerNormMLP(te.LNMLPFunction):
     def _forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, non_tensor_args):
         nta, a = non_tensor_args, te.LNMLP_ARGS
         recompute = bool(nta[a["recompute_for_bwd"]])
-        module = getattr(ctx, "_te_wm_module", None) if recompute else _active(_LNMLP)
+        module = getattr(ctx, "_te_wm_module", None) if recompute else ACTIVE.module
+        fp8, debug, group, skip, offload = _LNMLP_GATE
         # TE's LayerNormMLP has no distributed-weight path; such weights stay TE's.
-        if module is None or _passes_through_tuple(nta, a) or is_distributed(fc1_w) or is_distributed(fc2_w):
+        if (module is None or module._wm_kind is not _LNMLP or not nta[fp8] or nta[debug] or nta[group] is not None
+                or nta[skip] is not None or nta[offload] or te.graph_flags._IS_GRAPH_CAPTURING
+                or getattr(fc1_w, "is_distributed_weight", False) or getattr(fc2_w, "is_distributed_weight", False)):
             out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
-            return out if recompute else _observed(ctx, None, out)
+            return out if recompute or not _LEDGER.enabled else _observed(ctx, None, out)
         weights = _plan_mlp(module, nta, fc1_w, fc2_w)
-        nta = _replace_at(nta, a["is_fsdp2"], weights[1].drops_workspace and weights[3].drops_workspace)
-        token = ACTIVE.set(module) if recompute else None  # backward thread: not inside the module's window
+        i = a["is_fsdp2"]
+        nta = nta[:i] + (weights[1].drops_workspace and weights[3].drops_workspace,) + nta[i + 1:]
+        previous = ACTIVE.set(module) if recompute else None  # backward thread: not inside the module's window
+        state: ModuleWorkspaceState = module._wm_state
+        state.weights = weights
         try:
-            out = _run_planned(module, weights, te.LNMLPFunction._forward, ctx, inp, ln_w, ln_b, fc1_w, fc1_ws,
-                               fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            if state.pending or state.rowwise_parts:
+                _end_call(module, ctx)
         finally:
-            if token is not None:
-                ACTIVE.reset(token)
-        _edit_mlp_ctx(ctx, module, weights, nta, recompute)
-        return out if recompute else _observed(ctx, module, out)
+            state.weights, state.pending, state.rowwise_parts = (), None, None
+            if recompute:
+                ACTIVE.reset(previous)
+        if ctx is not None and nta[a["is_grad_enabled"]]:
+            _edit_mlp_ctx(ctx, module, weights, nta, recompute)
+        return out if recompute or not _LEDGER.enabled else _observed(ctx, module, out)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         try:
+            if getattr(ctx, "_te_wm_release", None) is None and not _LEDGER.enabled:
+                return te.LNMLPFunction.backward(ctx, *grad_outputs)
             return _backward(ctx, te.LNMLPFunction.backward, *grad_outputs)
         finally:
             ctx._te_wm_module = None
@@ -358,7 +406,8 @@ def _plan_mlp(module, nta: tuple, fc1_w, fc2_w) -> tuple:
     """(fc1 weight, its levers, fc2 weight, its levers) for this call."""
     a = te.LNMLP_ARGS
     grad, own_checkpoint = bool(nta[a["is_grad_enabled"]]), bool(nta[a["checkpoint"]])
-    recompute, module_scope = te_recompute_code(), False
+    recompute = te_recompute_code() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else 0
+    module_scope = False
     if own_checkpoint and grad:
         # The module's own checkpoint: its first pass saves inputs only, like
         # a reentrant checkpoint's first pass, so it is planned as one; its
@@ -392,8 +441,6 @@ def _refuse_split_lever(fc1: Levers, fc2: Levers) -> None:
 
 def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> None:
     a = te.LNMLP_ARGS
-    if ctx is None or not nta[a["is_grad_enabled"]]:
-        return
     if recompute or not nta[a["checkpoint"]]:
         # TE's ctx block ran: its clear flag is shared by FC1 and FC2, so it
         # is set only when both plans want it; the release covers the rest.
@@ -402,23 +449,9 @@ def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> N
         state: ModuleWorkspaceState = module._wm_state
         for levers, name in ((weights[1], "fc1_weight_quantizer"), (weights[3], "fc2_weight_quantizer")):
             if levers.no_backward_quantizer or levers.rebuild_usage is not None:
-                setattr(ctx, name, _backward_quantizer(state, levers, getattr(ctx, name, None)))
+                setattr(ctx, name, state.backward_quantizer(levers, getattr(ctx, name, None)))
     if not recompute and nta[a["checkpoint"]]:
         ctx._te_wm_module = module  # read again by the module's own recompute in backward
-
-
-def _passes_through_tuple(nta: tuple, a: dict) -> bool:
-    return passes_through(nta[a["fp8"]], nta[a["debug"]], nta[a["fsdp_group"]], nta[a["skip_fp8_weight_update"]],
-                          nta[a["cpu_offloading"]])
-
-
-def _replace_at(values: tuple, index: int, value) -> tuple:
-    return values[:index] + (value,) + values[index + 1:]
-
-
-def _recipe_backward_override() -> str | None:
-    recipe = te.FP8GlobalStateManager.get_fp8_recipe()
-    return getattr(recipe, "backward_override", None)
 
 
 # -- after backward -----------------------------------------------------------------

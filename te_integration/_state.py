@@ -61,7 +61,18 @@ class ModuleKind(enum.Enum):
 #: Recompute codes the seams compute from TE's flags (ints: cheap to hash).
 RECOMPUTE_CODES = (RecomputePass.NONE, RecomputePass.FIRST, RecomputePass.RECOMPUTE)
 #: Shardings by code: memo keys hold the code, since an enum member hashes in Python.
-SHARDINGS = tuple(Sharding)
+SHARDINGS = (Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP, Sharding.DISTRIBUTED_WEIGHT)
+_NONE, _RESHARD, _KEEP = SHARDINGS[:3]
+if set(SHARDINGS) != set(Sharding):  # the codes below must cover every sharding
+    raise ImportError(f"te_integration._state knows the shardings {SHARDINGS}, workspace_manager has {tuple(Sharding)}")
+_DISTRIBUTED_CODE = 3
+#: Weight type -> whether it is a quantized tensor (isinstance, once per type).
+_IS_QUANTIZED: dict[type, bool] = {}
+
+
+def _learn_quantized(wtype: type) -> bool:
+    is_qp = _IS_QUANTIZED[wtype] = issubclass(wtype, te.QuantizedTensorStorage)
+    return is_qp
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +138,11 @@ _DROPPING_SOURCES = (BackwardSource.REQUANTIZE, BackwardSource.REGATHER, Backwar
                      BackwardSource.NONE)
 
 
+#: Cache actions under which a saved workspace is fresh: always for BYPASS,
+#: on a miss for READ_ONLY (a miss is not stored).
+_FRESH_WORKSPACE_CACHE_ACTIONS = (CacheAction.BYPASS, CacheAction.READ_ONLY)
+
+
 def _saves_columnwise_only(context: WorkspaceContext, plan: WorkspacePlan) -> bool:
     """D11: a fresh high-precision-weight workspace saved for a backward that
     reads only its columnwise data. Not a cache entry (later microbatches
@@ -134,7 +150,7 @@ def _saves_columnwise_only(context: WorkspaceContext, plan: WorkspacePlan) -> bo
     and not in a recompute pass (TE hands that copy to backward itself)."""
     return (
         not context.is_quantized_param
-        and plan.cache is CacheAction.BYPASS
+        and plan.cache in _FRESH_WORKSPACE_CACHE_ACTIONS
         and plan.backward_source is BackwardSource.SAVED_WORKSPACE
         and plan.backward_usage == Usage.COLUMNWISE
         and Usage.COLUMNWISE in plan.forward_usage
@@ -150,8 +166,8 @@ class ModuleWorkspaceState:
     another call of the same module.
     """
 
-    __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_last", "weights",
-                 "pending", "rowwise_parts", "filled", "_rebuilders")
+    __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "_memo", "_generation", "_quantizer_keys",
+                 "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -163,6 +179,9 @@ class ModuleWorkspaceState:
         #: How this module's sharding is read (see :meth:`probe`); None
         #: until the first call, or as given.
         self.sharding_probe = probe
+        #: The sharding read when the module call in flight began (see
+        #: begin_call); None between calls.
+        self.call_sharding: Sharding | None = None
         self._memo: dict[tuple, Levers] = {}
         self._generation = default_registry.generation
         #: quantizer class -> what its capabilities depend on (the class itself
@@ -221,33 +240,54 @@ class ModuleWorkspaceState:
                module_scope: bool, distributed: bool = False) -> Levers:
         """The levers for this weight in this call: a memo lookup, or the
         full planning path for the first call of a shape. ``distributed``: a
-        TE ``DistributedWeight``, whose sharding is its own, not FSDP2's."""
-        is_qp = isinstance(weight, te.QuantizedTensorStorage)
+        TE ``DistributedWeight``, whose sharding is its own, not FSDP2's.
+
+        Every call of every managed module runs this, so a repeated shape
+        costs no Python call: attribute reads, subscripts and one tuple
+        hash (no enum in the key: enum members hash in Python)."""
+        wtype = type(weight)
+        is_qp = _IS_QUANTIZED[wtype] if wtype in _IS_QUANTIZED else _learn_quantized(wtype)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
             self._forget()
-        caps_key = self._quantizer_keys.get(type(source))
-        if caps_key is None:
-            caps_key = default_registry.capabilities_key(source)
-            if caps_key is type(source):
-                self._quantizer_keys[caps_key] = caps_key
+        keys, stype = self._quantizer_keys, type(source)
+        caps_key = keys[stype] if stype in keys else self._capabilities_key(source)
         if distributed:
-            sharding = Sharding.DISTRIBUTED_WEIGHT
+            code = _DISTRIBUTED_CODE
         else:
-            probe = self.sharding_probe
-            sharding = probe.current() if probe is not None else None
-            if sharding is None:
-                probe = self.sharding_probe = probe_fsdp2_sharding(module)
-                sharding = probe.read()
-        shape = (key, caps_key, is_qp, bool(grad), bool(input_requires_grad), is_first_microbatch,
-                 backward_override, recompute, module_scope, SHARDINGS.index(sharding))
-        levers = self._memo.get(shape)
-        if levers is None:
+            sharding = self.call_sharding
+            if sharding is None:  # outside a module call (a recompute pass in backward, a direct caller)
+                sharding = self.probe(module).read()
+            code = 0 if sharding is _NONE else 1 if sharding is _RESHARD else 2 if sharding is _KEEP else 3
+        shape = (key, caps_key, is_qp, grad, input_requires_grad, is_first_microbatch, backward_override, recompute,
+                 module_scope, code)
+        try:
+            levers = self._memo[shape]
+        except KeyError:
             levers = self._memo[shape] = self._plan(shape, source)
             if is_qp and levers.context.sharding.is_fsdp2:
                 track(module)  # its shards are checked after every optimizer step
         self._last[key] = levers
         return levers
+
+    def begin_call(self, module: Any) -> bool:
+        """Read the module's sharding for the call starting now (kept until
+        :meth:`end_call`); returns TE's ``is_fsdp2`` for it."""
+        probe = self.sharding_probe
+        sharding = probe.current() if probe is not None else None
+        if sharding is None:
+            probe = self.sharding_probe = probe_fsdp2_sharding(module)
+            sharding = probe.read()
+        self.call_sharding = sharding
+        return probe.is_fsdp2
+
+    def _capabilities_key(self, quantizer: Any) -> Any:
+        """What ``quantizer``'s capabilities depend on; remembered per class
+        when that is the class alone."""
+        caps_key = default_registry.capabilities_key(quantizer)
+        if caps_key is type(quantizer):
+            self._quantizer_keys[caps_key] = caps_key
+        return caps_key
 
     def _forget(self) -> None:
         """Quantizer registrations changed: every memoized plan may be stale."""
@@ -311,12 +351,20 @@ class ModuleWorkspaceState:
         self.pending[key] = workspace
         self.filled[key] = (id(workspace), columnwise)
 
-    def rebuild_quantizer(self, key: str, quantizer: Any, usage: Usage) -> Any:
-        """D9: what TE's backward rebuild calls in place of ``quantizer``, so
-        that it builds only ``usage`` (made once per weight and quantizer)."""
-        rebuilder = self._rebuilders.get(key)
+    def backward_quantizer(self, levers: Levers, quantizer: Any) -> Any:
+        """The weight quantizer TE's backward gets: none where dgrad reads the
+        high-precision weight (TE must not rebuild), and for D9 a
+        :class:`RebuildQuantizer` that builds only the plan's usages (made
+        once per weight and quantizer)."""
+        if levers.no_backward_quantizer or quantizer is None:
+            return None
+        if type(quantizer) is RebuildQuantizer:  # set already (LayerNormMLP's own recompute)
+            quantizer = quantizer.quantizer
+        key, usage = levers.key, levers.rebuild_usage
+        rebuilders = self._rebuilders
+        rebuilder = rebuilders[key] if key in rebuilders else None
         if rebuilder is None or rebuilder.quantizer is not quantizer or rebuilder.usage is not usage:
-            rebuilder = self._rebuilders[key] = RebuildQuantizer(quantizer, usage)
+            rebuilder = rebuilders[key] = RebuildQuantizer(quantizer, usage)
         return rebuilder
 
     def commit(self, workspaces: dict) -> None:
@@ -356,19 +404,20 @@ class RebuildQuantizer:
 
     def __call__(self, tensor: Any) -> Any:
         quantizer = self.quantizer
-        try:
-            if type(quantizer) not in RebuildQuantizer.builds_both:
-                quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
-                try:
-                    return quantizer(tensor)
-                except NotImplementedError:
-                    RebuildQuantizer.builds_both.add(type(quantizer))
-            quantizer.set_usage(rowwise=True, columnwise=True)
-            out = quantizer(tensor)
-            out.update_usage(rowwise_usage=self._rowwise, columnwise_usage=self._columnwise)
-            return out
-        finally:
-            quantizer.set_usage(rowwise=True, columnwise=True)
+        if type(quantizer) not in RebuildQuantizer.builds_both:
+            quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
+            try:
+                return quantizer(tensor)
+            except NotImplementedError:
+                RebuildQuantizer.builds_both.add(type(quantizer))
+            finally:
+                quantizer.set_usage(rowwise=True, columnwise=True)
+        # Both usages, as TE's rebuild asks (and leaves the quantizer), then
+        # the ones the plan does not name dropped at once.
+        quantizer.set_usage(rowwise=True, columnwise=True)
+        out = quantizer(tensor)
+        out.update_usage(rowwise_usage=self._rowwise, columnwise_usage=self._columnwise)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.quantizer, name)

@@ -207,7 +207,10 @@ def _distributed_rule(plan: WorkspacePlan) -> str | None:
 def _saved_rule(context: WorkspaceContext, plan: WorkspacePlan) -> str | None:
     """What a fresh saved workspace keeps: TE keeps what forward built, and
     the binding can leave out rowwise data only (D11)."""
-    if (not context.is_quantized_param and plan.backward_source is BackwardSource.SAVED_WORKSPACE and plan.cache is CacheAction.BYPASS
+    # READ_ONLY too: its miss saves a fresh workspace, as a bypass does
+    # (found by the CPU drawn-plan test).
+    if (not context.is_quantized_param and plan.backward_source is BackwardSource.SAVED_WORKSPACE
+            and plan.cache in (CacheAction.BYPASS, CacheAction.READ_ONLY)
             and Usage.COLUMNWISE in plan.forward_usage and Usage.COLUMNWISE not in plan.backward_usage):
         return (f"forward_usage={plan.forward_usage.label} with backward_usage={plan.backward_usage.label}: the saved "
                 "workspace would keep columnwise data backward never reads, and TE 2.20 offers no way to drop it; "

@@ -96,15 +96,20 @@ class ShardingProbe:
     found again; it never decides the answer.
     """
 
-    __slots__ = ("_owners", "_root", "_managed", "_mapping", "_count", "is_fsdp2")
+    __slots__ = ("_owners", "_root", "_managed", "_entries", "_count", "_single", "is_fsdp2")
 
     def __init__(self, owners: list[tuple[Any, Any]], root: Any, managed: dict[Any, Any],
                  mapping: Any) -> None:
         self._owners = owners
         self._root = root
         self._managed = managed
-        self._mapping = mapping
-        self._count = len(mapping) if mapping is not None else 0
+        # FSDP2's state mapping is a WeakKeyDictionary, whose len() runs
+        # Python; its plain dict counts the same entries in one C call.
+        self._entries = getattr(mapping, "data", mapping)
+        self._count = len(self._entries) if mapping is not None else 0
+        # The one owning (state, group), where FSDP2 keeps the lazy-init
+        # flag the fast read needs; None otherwise (read in full).
+        self._single = owners[0] if len(owners) == 1 and hasattr(owners[0][0], "_is_root") else None
         #: Whether FSDP2 manages the weight at all (keep or reshard).
         self.is_fsdp2 = bool(owners)
 
@@ -116,25 +121,29 @@ class ShardingProbe:
 
     def current(self) -> Sharding | None:
         """:meth:`read`, or None when :meth:`stale` (one call for both, for
-        bindings that ask on every module call)."""
-        mapping = self._mapping
-        if mapping is None:
+        bindings that ask on every module call). After FSDP2's lazy init a
+        single owning group decides with one attribute read."""
+        entries = self._entries
+        if entries is None:
             modules = sys.modules
             if _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules:
                 return None
             return Sharding.NONE
-        if len(mapping) != self._count:
+        if len(entries) != self._count:
             return None
+        single = self._single
+        if single is not None and single[0]._is_root is not None:  # lazy init ran: no auto-root to predict
+            return Sharding.FSDP2_KEEP if single[1].post_forward_mesh_info is None else Sharding.FSDP2_RESHARD
         if not self._owners:
             return Sharding.NONE
         return _decide(self._owners, self._root, self._managed)
 
     def stale(self) -> bool:
         """Whether FSDP2 state was added or removed since the probe was made."""
-        if self._mapping is None:  # FSDP2 was not imported then; two dict lookups
+        if self._entries is None:  # FSDP2 was not imported then; two dict lookups
             modules = sys.modules
             return _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules
-        return len(self._mapping) != self._count
+        return len(self._entries) != self._count
 
 
 def probe_fsdp2_sharding(module: torch.nn.Module, root: torch.nn.Module | None = None) -> ShardingProbe:

@@ -4,12 +4,11 @@ next drop-in call installs the seams again, with the same numbers."""
 
 from __future__ import annotations
 
-import gc
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _call_count import count_calls
 from _fake_te import TELinear, load_full_binding
 from _fake_te import __file__ as _fake_te_file
 
@@ -28,27 +27,9 @@ def _python_calls(fn, repeat: int = 5) -> tuple[float, float]:
     """Python-level calls per run of ``fn`` (a count, not a time) made in
     te_integration's files and in the stand-in TE's: (binding, TE). Other
     frames (torch, a garbage collection's callbacks) are not counted."""
-    fn()
-    calls = {"te_integration": 0, "_fake_te": 0}
-
-    def profile(frame, event, arg):
-        if event == "call":
-            path = frame.f_code.co_filename
-            if path.startswith(BINDING_DIR):
-                calls["te_integration"] += 1
-            elif path == FAKE_TE:
-                calls["_fake_te"] += 1
-
-    gc.collect()
-    gc.disable()
-    sys.setprofile(profile)
-    try:
-        for _ in range(repeat):
-            fn()
-    finally:
-        sys.setprofile(None)
-        gc.enable()
-    return calls["te_integration"] / repeat, calls["_fake_te"] / repeat
+    calls = count_calls(fn, repeat)
+    binding = sum(n for (path, _), n in calls.items() if path.startswith(BINDING_DIR))
+    return binding, sum(n for (path, _), n in calls.items() if path == FAKE_TE)
 
 
 def test_a_stock_module_runs_tes_code_untouched_after_uninstall(ti):
