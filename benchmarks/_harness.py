@@ -281,6 +281,11 @@ def time_row(case: str, stock_s: Sequence[float], dropin_s: Sequence[float], *,
         notes.append(f"only {min(st['n'], dr['n'])} timed steps (< {min_samples}): indicative")
     row = ratio_row(case, "median step time", "ms", st["median"], dr["median"], limit=limit, strict=strict,
                     spread_text=f"{describe_times('stock', stock_s)}; {describe_times('drop-in', dropin_s)}")
+    if len(stock_s) == len(dropin_s):
+        # Paired rounds (the models step in turn): the median of per-round
+        # ratios cancels drift that hits a round's models alike.
+        paired = statistics.median(d / s for s, d in zip(stock_s, dropin_s) if s > 0)
+        notes.append(f"median of per-round ratios {paired:.4f}")
     if row["ok"] is False:
         overlap = dr["q1"] <= st["q3"] and st["q1"] <= dr["q3"]
         notes.append(f"+{dr['median'] - st['median']:.3f} ms per step; IQRs "

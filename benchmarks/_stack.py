@@ -396,7 +396,10 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
     try:
         for step in range(steps.warmup + steps.timed):
             batches = make_batches(size, step, steps.micro)
-            for label, model in models.items():
+            labels = list(models)
+            # Rotate who goes first each round: a position in the round must not favour anyone.
+            for label in labels[step % len(labels):] + labels[:step % len(labels)]:
+                model = models[label]
                 seams_for(specs[label].managed)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
