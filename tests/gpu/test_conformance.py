@@ -40,6 +40,9 @@ SETTINGS = (
     (MB, "none", "dequantized", True, False),
     ((None,), "none", "dequantized", False, False),
     (MB, "none", "high_precision", False, False),
+    # Recompute with an override (the drawn-plan test's first finding of round 5).
+    ((None,), "non_reentrant", "high_precision", True, False),
+    ((None,), "reentrant", "high_precision", True, False),
     (MB, "none", None, True, True),
 )
 
