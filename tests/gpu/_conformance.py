@@ -306,9 +306,13 @@ class CallRecorder:
 
         def dequantize(this, *args, **kwargs):
             out = original(this, *args, **kwargs)
-            if recorder._key_of(this) is not None:
-                source = Operand.of(this, recorder.storage_base, None)
-                source.is_parameter = any(this is recorder.parameter(k) for k in recorder.records)
+            key = recorder._key_of(this)
+            if key is not None:
+                # Alias-aware, as for GEMM operands: under a non-reentrant
+                # checkpoint backward dequantizes a storage restored over the
+                # parameter's own tensors, not the parameter object (round 5:
+                # identity alone reported "not the parameter dequantized").
+                source = Operand.of(this, recorder.storage_base, recorder.parameter(key))
                 recorder._dequantized.append((weakref.ref(out.untyped_storage()), source))
             return out
         return dequantize

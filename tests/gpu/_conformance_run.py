@@ -158,6 +158,11 @@ def _compare(where: str, want: list, got: list) -> list[str]:
     return out
 
 
+class StockTEFails(Exception):
+    """The stock twin raised: TE itself cannot run the setting, so the
+    drop-in has nothing to match (a skip with TE's error as the reason)."""
+
+
 def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) -> list[str]:
     """Both twins through ``case``; conformance problems of every managed
     call, and (with ``numerics``) every difference from stock. ``prepare``
@@ -172,7 +177,10 @@ def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) ->
     for step in range(case.steps):
         for micro, first in enumerate(case.microbatches):
             where = f"{case.label} step {step} call {micro}"
-            want = _call(stock, case, recipe, _inputs(case, step, micro), first, None)
+            try:
+                want = _call(stock, case, recipe, _inputs(case, step, micro), first, None)
+            except Exception as err:  # noqa: BLE001  (TE's own failure: nothing to compare against)
+                raise StockTEFails(f"{where}: stock TE itself raises {type(err).__name__}: {err}") from err
             rec = recorder(managed, case.kind)
             got = _call(managed, case, recipe, _inputs(case, step, micro), first, rec)
             last = micro == len(case.microbatches) - 1 and not case.no_grad

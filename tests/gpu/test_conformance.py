@@ -64,15 +64,22 @@ def cases(recipe: str, kind: str, quantized_init: bool):
 @pytest.mark.parametrize("kind", MODULES)
 @pytest.mark.parametrize("recipe_name", RECIPES_SM90)
 def test_every_call_matches_its_plan_and_stock(recipe_name, kind, quantized_init):
-    from _conformance_run import run_case
+    from _conformance_run import StockTEFails, run_case
 
     reason = recipe_skip_reason(recipe_name)
     if reason:
         pytest.skip(reason)
-    problems = []
+    problems, stock_fails, ran = [], [], 0
     for case in cases(recipe_name, kind, quantized_init):
         try:
             problems += run_case(case)
+            ran += 1
+        except StockTEFails as err:
+            stock_fails.append(str(err))  # TE's own failure: listed, not ours
         except Exception as err:  # noqa: BLE001  (one failing setting must not hide the others)
             problems.append(f"{case.label}: raised {type(err).__name__}: {err}")
+    for line in stock_fails:
+        print(f"skipped setting: {line}")
     assert not problems, "\n".join(problems)
+    if not ran:
+        pytest.skip("stock TE fails every setting: " + "; ".join(stock_fails))
