@@ -379,13 +379,29 @@ def prime(recipes: list[str], dist) -> None:
             measure(spec, Steps(warmup=1, probe=1, timed=1), dist)
 
 
-def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
+def profile_round(models: dict, opts: dict, recipes: dict, specs: dict[str, ModelSpec], batches) -> dict:
+    """One more step of the stock and drop-in models under cProfile (seams
+    as in the timed rounds): Python-level calls per function, per model."""
+    from ._profile import profile_counts
+
+    out = {}
+    for label in ("stock", "dropin"):
+        seams_for(specs[label].managed)
+        torch.cuda.synchronize()
+        calls, own_s = profile_counts(lambda: run_step(models[label], opts[label], recipes[label], batches))
+        out[label] = {"calls": calls, "own_s": own_s}
+    return out
+
+
+def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool = False) -> dict:
     """Build every model of ``specs`` ({label: spec}) and train them in turn,
     one step each: ``steps.warmup`` untimed rounds, then ``steps.timed``
     timed ones. Each step is timed between two synchronizations and reported
     as the slowest rank's. Drift in clocks or load then hits every model alike.
     Stock models step with the seams taken out (see :func:`seams_for`), so
-    the ratios compare against TE's own code; the seams come back after."""
+    the ratios compare against TE's own code; the seams come back after.
+    With ``profile``, one more step of stock and drop-in is counted
+    (:func:`profile_round`)."""
     release_memory()
     models = {label: build(spec) for label, spec in specs.items()}
     opts = {label: optimizer_for(model) for label, model in models.items()}
@@ -408,8 +424,11 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist) -> dict:
                 if step >= steps.warmup:
                     times[label].append(time.perf_counter() - t0)
                 losses[label] += [float(v) for v in step_losses]
-        return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses,
-                "specs": {label: spec.as_dict() for label, spec in specs.items()}}
+        result = {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses,
+                  "specs": {label: spec.as_dict() for label, spec in specs.items()}}
+        if profile:  # after the timed rounds: profiling must not touch them
+            result["profile"] = profile_round(models, opts, recipes, specs, make_batches(size, 10_000, steps.micro))
+        return result
     finally:
         seams_for(True)
         del models, opts

@@ -7,7 +7,14 @@ the other, so drift in clocks and load lands on one side: two stock runs of
 the same realistic model differed by 50 ms (10%) there. Here the three models
 of a case are alive together and take turns step by step, so drift hits all
 three alike. The second stock model is the control: its ratio to the first
-is the noise floor the drop-in's ratio must be read against.
+is the noise floor the drop-in's ratio must be read against. The models
+rotate their place in each round, stock models step with te_integration's
+seams taken out (stock TE's own code), and each time row also gives the
+median of per-round ratios.
+
+``--profile`` counts one more step of stock and drop-in under cProfile and
+adds, per case, the functions whose Python-level call counts differ: where
+the drop-in's host time goes, exactly, whatever the host's noise.
 
 Per case (size x recipe x init x microbatches): the median step time of
 each model with its spread (the slowest rank's time per step), drop-in /
@@ -44,6 +51,7 @@ from collections.abc import Sequence
 
 from . import _harness as h
 from ._runner import Job, gpu_main
+from ._profile import added_calls_table
 from ._stack import SIZES, ModelSpec, Steps, add_policy_argument, estimate_seconds, paired_times
 
 NAME = "step_time"
@@ -78,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=h.int_list,
                    help="microbatch counts per step (default 1); above 1, reshard_after_forward=False")
     add_policy_argument(p, f"Its step-time target is then <= {OPTION_RATIO_MAX}.")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed rounds, count one step of stock and drop-in under cProfile: the functions "
+                        "whose Python-level call counts differ, per case, in the summary")
     p.add_argument("--checkpoint", choices=CHECKPOINTS, default=None,
                    help="te.checkpoint around every layer of all three models (default: none; nonreentrant "
                         "when --policy names a recompute policy, whose option acts only in recompute passes)")
@@ -111,9 +122,11 @@ def case_name(size_name: str, layers: int, recipe: str, init: str, micro: int, s
     return case + (f" policy {policy}" if policy else "")
 
 
-def paired_job(case: str, init: str, micro: int, specs: dict[str, ModelSpec], steps: Steps, dist) -> Job:
+def paired_job(case: str, init: str, micro: int, specs: dict[str, ModelSpec], steps: Steps, dist,
+               profile: bool = False) -> Job:
     meta = {"case": case, "init": init, "microbatches": micro, "policy": specs["dropin"].policy}
-    return Job(label=f"[paired] {case}", meta=meta, spec=specs["dropin"], run=lambda: paired_times(specs, steps, dist),
+    return Job(label=f"[paired] {case}", meta=meta, spec=specs["dropin"],
+               run=lambda: paired_times(specs, steps, dist, profile=profile),
                estimate_s=sum(estimate_seconds(s, steps) for s in specs.values()))
 
 
@@ -126,7 +139,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
             where = dict(policy=args.policy, checkpoint=args.checkpoint)
             specs = case_specs(size_name, layers, recipe, init, micro, args.seq, **where)
             name = case_name(size_name, layers, recipe, init, micro, args.seq, **where)
-            jobs.append(paired_job(name, init, micro, specs, steps, dist))
+            jobs.append(paired_job(name, init, micro, specs, steps, dist, profile=args.profile))
     return jobs
 
 
@@ -155,12 +168,16 @@ def case_rows(case: str, sample: dict) -> list[dict]:
 
 
 def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
-    rows, timings = [], []
+    rows, timings, tables = [], [], []
     for s in samples:
         rows += case_rows(s["case"], s)
         timings += [{"case": s["case"], "variant": label.replace("_", " ").replace("dropin", "drop-in"),
                      "samples_ms": [1e3 * v for v in s["step_time_s"][label]]} for label in ORDER]
-    return {"rows": rows, "timings": timings}
+        if s.get("profile"):
+            prof = s["profile"]
+            tables.append(added_calls_table(f"Where the host time goes: {s['case']}, one step",
+                                            prof["stock"]["calls"], prof["dropin"]["calls"]))
+    return {"rows": rows, "timings": timings, "tables": tables}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,16 +59,15 @@ class _ManagedModule:
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class.
 
-    Between TE's ``prepare_forward`` and ``end_forward`` the instance dict
-    also holds the call's marks: ``_wm_previous`` (the module ACTIVE named
-    before) and ``is_fsdp2`` (see :class:`_FreshIsFsdp2`). Every managed
-    call runs these two methods, so they avoid Python calls of their own."""
+    Between TE's ``prepare_forward`` and ``end_forward`` the state holds the
+    call's sharding and the module ACTIVE named before, and the instance dict
+    holds ``is_fsdp2`` (see :class:`_FreshIsFsdp2`: TE reads the attribute, so
+    it must be found there without running Python). Every managed call runs
+    these two methods, so they avoid Python calls of their own."""
 
     _wm_kind: ClassVar[ModuleKind]
     #: The module's state; the class default None means "not made yet".
     _wm_state: ModuleWorkspaceState | None = None
-    #: Whether this module is marked ACTIVE (its TE forward is running).
-    _wm_marked: bool = False
     #: Whether this module's first managed call has run ``install`` (its
     #: state may exist before: TE's constructor calls ``reset_parameters``).
     _wm_installed: bool = False
@@ -89,10 +88,8 @@ class _ManagedModule:
         inp = super().prepare_forward(inp, *args, **kwargs)
         # Marked only once TE's prepare_forward returned: end_forward follows for sure.
         state.call_sharding = sharding
-        d = self.__dict__
-        d["is_fsdp2"] = probe.is_fsdp2
-        d["_wm_previous"] = ACTIVE.module
-        d["_wm_marked"] = True
+        state.previous_active = ACTIVE.module
+        self.__dict__["is_fsdp2"] = probe.is_fsdp2
         ACTIVE.module = self
         return inp
 
@@ -106,12 +103,11 @@ class _ManagedModule:
         self.__dict__["_wm_installed"] = True
 
     def end_forward(self) -> None:
-        if self._wm_marked:
-            d = self.__dict__
-            ACTIVE.module = d["_wm_previous"]
-            d["_wm_marked"] = False
-            del d["is_fsdp2"]
-            self._wm_state.call_sharding = None
+        state = self._wm_state
+        if state is not None and state.call_sharding is not None:  # marked by prepare_forward
+            ACTIVE.module = state.previous_active
+            state.call_sharding = state.previous_active = None
+            del self.__dict__["is_fsdp2"]
         super().end_forward()
 
     def reset_parameters(self, *args: Any, **kwargs: Any) -> None:

@@ -166,8 +166,8 @@ class ModuleWorkspaceState:
     another call of the same module.
     """
 
-    __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "_memo", "_generation", "_quantizer_keys",
-                 "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
+    __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "previous_active", "_memo", "_generation",
+                 "_quantizer_keys", "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -182,6 +182,8 @@ class ModuleWorkspaceState:
         #: The sharding read when the module call in flight began (see
         #: begin_call); None between calls.
         self.call_sharding: Sharding | None = None
+        #: The module the active mark named before this module's call (restored at its end).
+        self.previous_active: Any = None
         self._memo: dict[tuple, Levers] = {}
         self._generation = default_registry.generation
         #: quantizer class -> what its capabilities depend on (the class itself

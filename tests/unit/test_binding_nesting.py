@@ -250,7 +250,7 @@ def test_a_fault_in_a_nested_module_leaves_nothing_active(ti, monkeypatch, scena
     for module in managed.modules():
         if isinstance(module, ti.modules._ManagedModule):
             state = ti.modules.workspace_state(module)
-            assert (state.weights, state.pending, module._wm_marked, state.call_sharding) == ((), None, False, None)
+            assert (state.weights, state.pending, state.previous_active, state.call_sharding) == ((), None, None, None)
     expected += _train(stock, 2, scenario, first_step=1)
     got += _train(managed, 2, scenario, first_step=1)
     assert len(expected) == len(got)
