@@ -179,8 +179,8 @@ class ModuleWorkspaceState:
         #: How this module's sharding is read (see :meth:`probe`); None
         #: until the first call, or as given.
         self.sharding_probe = probe
-        #: The sharding read when the module call in flight began (see
-        #: begin_call); None between calls.
+        #: The sharding the drop-in's prepare_forward read for the call in
+        #: flight; None between calls (then levers() reads the probe).
         self.call_sharding: Sharding | None = None
         #: The module the active mark named before this module's call (restored at its end).
         self.previous_active: Any = None
@@ -271,17 +271,6 @@ class ModuleWorkspaceState:
                 track(module)  # its shards are checked after every optimizer step
         self._last[key] = levers
         return levers
-
-    def begin_call(self, module: Any) -> bool:
-        """Read the module's sharding for the call starting now (kept until
-        :meth:`end_call`); returns TE's ``is_fsdp2`` for it."""
-        probe = self.sharding_probe
-        sharding = probe.current() if probe is not None else None
-        if sharding is None:
-            probe = self.sharding_probe = probe_fsdp2_sharding(module)
-            sharding = probe.read()
-        self.call_sharding = sharding
-        return probe.is_fsdp2
 
     def _capabilities_key(self, quantizer: Any) -> Any:
         """What ``quantizer``'s capabilities depend on; remembered per class
