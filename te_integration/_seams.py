@@ -77,14 +77,6 @@ def te_recompute_code() -> int:
     return 2 if te.in_fp8_activation_recompute_phase() else 1
 
 
-def passes_through(fp8: bool, debug: bool, fsdp_group: Any, skip_update: Any, cpu_offloading: bool) -> bool:
-    """Calls TE handles on its own: no FP8 (no workspace), debug quantizers,
-    FSDP1, CUDA-graph capture, CPU offload. Listed in docs/te-integration.md.
-    (The Linear seam spells the same test inline: it runs on every call.)"""
-    return (not fp8 or bool(debug) or fsdp_group is not None or skip_update is not None or bool(cpu_offloading)
-            or te.graph_flags._IS_GRAPH_CAPTURING)
-
-
 def is_distributed(weight: Any) -> bool:
     """A TE ``DistributedWeight``: TE's own check validates a flagged weight
     (the Linear seam asks only for a flagged one: one getattr per call)."""
@@ -247,6 +239,11 @@ def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
 # (ModuleWorkspaceState.levers) and TE's own Function; each Python call
 # avoided is about a microsecond of host time per module call.
 
+# Calls TE handles on its own pass through every seam unchanged: no FP8 (no
+# workspace), debug quantizers, FSDP1 (``fsdp_group``), CUDA-graph capture
+# (``skip_fp8_weight_update`` or TE's capture flag), CPU offload. Listed in
+# docs/te-integration.md; each Function seam spells the test inline.
+
 def _gate(args: dict) -> tuple[int, ...] | None:
     """Positions of the pass-through test's fields in TE's argument tuple
     (None for an argument map without them: a test stand-in of TE)."""
@@ -274,7 +271,7 @@ class _Linear(te.LinearFunction):
 
     @staticmethod
     def forward(ctx, weight, inp, bias, fwd_args):
-        module = ACTIVE.module  # the gate below is passes_through(), spelled inline
+        module = ACTIVE.module  # then the pass-through test (see _gate)
         if (module is None or module._wm_kind is not _LINEAR or not fwd_args.fp8 or fwd_args.debug
                 or fwd_args.fsdp_group is not None or fwd_args.skip_fp8_weight_update is not None
                 or fwd_args.cpu_offloading or te.graph_flags._IS_GRAPH_CAPTURING):
