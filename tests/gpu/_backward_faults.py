@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workspace_manager import FSDP2WorkspacePolicy, MicrobatchCache, Release, Sharding
+from workspace_manager.testing.plans import FixedSharding
 
 HIDDEN, FFN, TOKENS = 64, 128, 32
 #: TE's module file of each kind (its ``general_gemm`` is what backward calls).
@@ -41,37 +42,14 @@ class Setup:
     kind: str
     #: Weights made by ``quantized_model_init`` (quantized parameters).
     quantized: bool
-    #: The sharding the module's plans are made for (see :class:`DescribedSharding`).
+    #: The sharding the module's plans are made for. One GPU has no FSDP2 to
+    #: shard with, yet the plans that release after backward are the FSDP2
+    #: ones (FSDP2_KEEP with microbatches and the microbatch cache option
+    #: releases the cache; quantized parameters their columnwise data). The
+    #: module's state is given this sharding, so the binding plans and
+    #: releases as under FSDP2, while TE sees the whole weight it has
+    #: (``FixedSharding(..., is_fsdp2=False)``).
     sharding: Sharding
-
-
-class DescribedSharding:
-    """A sharding probe that reports one sharding (a module's state takes
-    any object with these members, see ``ModuleWorkspaceState``).
-
-    One GPU has no FSDP2 to shard with, yet the plans that release after
-    backward are the FSDP2 ones: ``FSDP2_KEEP`` with microbatches and the
-    microbatch cache option releases the cache (``Release.CACHED_WORKSPACE``),
-    and for quantized parameters the columnwise data
-    (``Release.DERIVED_COLUMNWISE``). Describing the
-    sharding makes the binding plan and release exactly as it would under
-    FSDP2, while TE itself sees a whole weight (``is_fsdp2`` False), which
-    it is.
-    """
-
-    is_fsdp2 = False
-
-    def __init__(self, sharding: Sharding) -> None:
-        self._sharding = sharding
-
-    def read(self) -> Sharding:
-        return self._sharding
-
-    def current(self) -> Sharding:
-        return self._sharding
-
-    def stale(self) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -120,7 +98,8 @@ def build(setup: Setup, recipe):
         # The module's state, made before its first call as the binding makes
         # it (state_of), with the described sharding as its probe and the
         # microbatch cache option pinned (quantized parameters are never cached).
-        state = ti.ModuleWorkspaceState(module._wm_kind, CACHE_OPTION, probe=DescribedSharding(setup.sharding))
+        probe = FixedSharding(setup.sharding, is_fsdp2=False)
+        state = ti.ModuleWorkspaceState(module._wm_kind, CACHE_OPTION, probe=probe)
         module.__dict__["_wm_state"] = state
     return module
 

@@ -38,7 +38,7 @@ from workspace_manager import (
     Usage,
     WorkspaceContext,
 )
-from workspace_manager.testing.plans import DrawnPlanPolicy, meaningful_plans
+from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding, meaningful_plans
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _conformance import CallRecorder  # noqa: E402
@@ -46,24 +46,6 @@ from _conformance import CallRecorder  # noqa: E402
 IN, OUT, TOKENS = 8, 6, 4
 PLAN_FIELDS = ("cache", "forward_usage", "backward_source", "backward_usage", "columnwise_source", "release",
                "parameter_keeps")
-
-
-class FixedProbe:
-    """A sharding probe that always reads ``sharding`` (FSDP2's state is
-    what the real probe reads; the policy only sees the answer)."""
-
-    def __init__(self, sharding: Sharding) -> None:
-        self.sharding = sharding
-        self.is_fsdp2 = sharding.is_fsdp2
-
-    def read(self) -> Sharding:
-        return self.sharding
-
-    def current(self) -> Sharding:
-        return self.sharding
-
-    def stale(self) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -93,7 +75,7 @@ def settings_(draw) -> Setting:
 def _pair(ti, setting: Setting, policy: DrawnPlanPolicy) -> tuple[TELinear, TELinear]:
     stock, managed = TELinear(IN, OUT, seed=7), TELinear(IN, OUT, seed=7)
     ti.modules.convert_model(managed)
-    state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.LINEAR, policy, probe=FixedProbe(setting.sharding))
+    state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.LINEAR, policy, probe=FixedSharding(setting.sharding))
     managed.__dict__["_wm_state"] = state
     for module in (stock, managed):
         module.backward_override = setting.override
@@ -268,3 +250,12 @@ def test_plans_te_can_carry_out_are_never_refused(ti, setting, data):
     except PolicyMismatchError as err:
         refused = {ctx: plan.summary() for ctx, plan in policy.planned().items()}
         pytest.fail(f"refused a plan TE can carry out: {err}\nplans: {refused}")
+
+
+def test_a_fixed_sharding_reads_what_it_was_given_and_refuses_anything_else():
+    keep = FixedSharding(Sharding.FSDP2_KEEP)
+    assert (keep.read(), keep.current(), keep.stale(), keep.is_fsdp2) == (Sharding.FSDP2_KEEP,) * 2 + (False, True)
+    assert FixedSharding(Sharding.FSDP2_KEEP, is_fsdp2=False).is_fsdp2 is False  # TE sees a whole weight
+    assert FixedSharding(Sharding.NONE).is_fsdp2 is False
+    with pytest.raises(ContextTypeError, match="needs a Sharding"):
+        FixedSharding("fsdp2_keep")

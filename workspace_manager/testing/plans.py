@@ -61,10 +61,36 @@ from .._errors import ContextTypeError, InvalidPlanError
 from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 from .._policy import RecomputeWorkspacePolicy, _require_context, backward_usage
 
-__all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser", "PickedPlans"]
+__all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser", "PickedPlans", "FixedSharding"]
 
 #: ``chooser(context, candidates) -> one of candidates``.
 PlanChooser = Callable[[WorkspaceContext, tuple], object]
+
+
+class FixedSharding:
+    """A sharding probe that always reads ``sharding``, for a binding's
+    module state (``ModuleWorkspaceState(..., probe=FixedSharding(...))``):
+    the policy sees that sharding where FSDP2's state would be read.
+
+    ``is_fsdp2`` is what TE's own ``is_fsdp2`` flag then says; by default
+    whether ``sharding`` is an FSDP2 one. Pass False to plan for an FSDP2
+    sharding while TE sees the whole weight it really has (a test on one
+    GPU without FSDP2)."""
+
+    def __init__(self, sharding: Sharding, *, is_fsdp2: bool | None = None) -> None:
+        if not isinstance(sharding, Sharding):
+            raise ContextTypeError(f"FixedSharding needs a Sharding; received {sharding!r}")
+        self.sharding = sharding
+        self.is_fsdp2 = sharding.is_fsdp2 if is_fsdp2 is None else bool(is_fsdp2)
+
+    def read(self) -> Sharding:
+        return self.sharding
+
+    def current(self) -> Sharding:
+        return self.sharding
+
+    def stale(self) -> bool:
+        return False
 
 
 class PickedPlans:
