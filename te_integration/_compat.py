@@ -211,6 +211,10 @@ LNL_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizer": 7, "cpu_offl
 LNMLP_ARGS = {"is_first_microbatch": 1, "fp8": 2, "fc1_weight_quantizer": 7, "fc2_weight_quantizer": 13,
               "cpu_offloading": 18, "is_grad_enabled": 28, "fsdp_group": 41, "skip_fp8_weight_update": 44,
               "checkpoint": 46, "debug": 47, "is_fsdp2": 48, "recompute_for_bwd": 49}
+#: Positions, in the tuple ``_LayerNormMLP._recompute`` returns to backward,
+#: of the workspaces its own checkpoint's recompute pass built (checked
+#: against the names backward unpacks it into).
+LNMLP_RECOMPUTED = {"fc1_weight": 4, "fc2_weight": 10}
 #: Fields of TE's argument dataclasses the ``_Linear`` seam reads or sets.
 LINEAR_FWD_FIELDS = ("is_fsdp2", "weight_quantizer", "is_first_microbatch", "is_grad_enabled", "input_requires_grad",
                      "backward_override", "fp8", "debug", "fsdp_group", "skip_fp8_weight_update", "cpu_offloading")
@@ -249,15 +253,21 @@ def _source(fn) -> str | None:
         return None
 
 
-def _unpacked_names(fn, tuple_name: str) -> list[str]:
-    """Target names of ``(...) = <tuple_name>`` in ``fn``'s source."""
+def _unpacked_names(fn, source_name: str) -> list[str]:
+    """Target names of ``(...) = <source_name>`` or ``(...) = <...>.<source_name>(...)``
+    in ``fn``'s source."""
     source = _source(fn)
     tree = ast.parse(textwrap.dedent(source)) if source is not None else ast.Module(body=[], type_ignores=[])
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == tuple_name
-                and isinstance(node.targets[0], ast.Tuple)):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and _names(node.value, source_name):
             return [t.id for t in node.targets[0].elts if isinstance(t, ast.Name)]
     return []
+
+
+def _names(value: ast.expr, name: str) -> bool:
+    if isinstance(value, ast.Call):
+        value = value.func
+    return (isinstance(value, ast.Name) and value.id == name) or (isinstance(value, ast.Attribute) and value.attr == name)
 
 
 def _check_structure() -> list[str]:
@@ -268,11 +278,13 @@ def _check_structure() -> list[str]:
             problems.append(f"the source of {_where(fn)} cannot be read")
             continue
         problems += [f"{_where(fn)} no longer contains {n!r}" for n in needles if n not in source]
-    for fn, table in ((LNLFunction.forward, LNL_ARGS), (LNMLPFunction._forward, LNMLP_ARGS)):
-        names = _unpacked_names(fn, "non_tensor_args")
+    for fn, source, table in ((LNLFunction.forward, "non_tensor_args", LNL_ARGS),
+                              (LNMLPFunction._forward, "non_tensor_args", LNMLP_ARGS),
+                              (LNMLPFunction.backward, "_recompute", LNMLP_RECOMPUTED)):
+        names = _unpacked_names(fn, source)
         for name, index in table.items():
             if index >= len(names) or names[index] != name:
-                problems.append(f"{_where(fn)}: non_tensor_args[{index}] is no longer {name!r}")
+                problems.append(f"{_where(fn)}: {source}[{index}] is no longer {name!r}")
     for cls, fields in ((LinearFwdArgs, LINEAR_FWD_FIELDS), (LinearBwdArgs, LINEAR_BWD_FIELDS)):
         present = getattr(cls, "__dataclass_fields__", {})
         problems += [f"{_where(cls)} has no field {name!r}" for name in fields if name not in present]

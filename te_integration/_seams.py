@@ -387,12 +387,18 @@ class _LayerNormMLP(te.LNMLPFunction):
                 ACTIVE.reset(previous)
         if ctx is not None and nta[a["is_grad_enabled"]]:
             _edit_mlp_ctx(ctx, module, weights, nta, recompute)
-        return out if recompute or not _LEDGER.enabled else _observed(ctx, module, out)
+        if recompute:
+            return _rebuild_in_backward(out, weights) if weights[1].drops_workspace or weights[3].drops_workspace \
+                else out
+        return _observed(ctx, module, out) if _LEDGER.enabled else out
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         try:
-            if getattr(ctx, "_te_wm_release", None) is None and not _LEDGER.enabled:
+            # Own checkpoint (_te_wm_module set): the release record is
+            # written by the recompute pass, inside TE's backward.
+            if (getattr(ctx, "_te_wm_release", None) is None and getattr(ctx, "_te_wm_module", None) is None
+                    and not _LEDGER.enabled):
                 return te.LNMLPFunction.backward(ctx, *grad_outputs)
             return _backward(ctx, te.LNMLPFunction.backward, *grad_outputs)
         finally:
@@ -434,6 +440,22 @@ def _refuse_split_lever(fc1: Levers, fc2: Levers) -> None:
         "drops both workspaces with one switch. Context: "
         f"{fc1.context}. Make the policy give both weights the same backward_source for this context."
     )
+
+
+def _rebuild_in_backward(recomputed: tuple, weights: tuple) -> tuple:
+    """The module's own recompute pass hands the workspaces it built straight
+    to backward: TE skips the FSDP2 path there (``fsdp2_skip_columnwise`` is
+    off while recomputing), so ``is_fsdp2`` cannot keep them out. For a
+    weight whose plan requantizes in backward, its place in what the pass
+    returns becomes None, which is TE's own signal to quantize the weight
+    again with ``ctx``'s quantizer (``if fc1_weight is None`` in
+    ``_LayerNormMLP.backward``), the one :func:`_edit_mlp_ctx` set."""
+    out = list(recomputed)
+    for name, weight, levers in (("fc1_weight", weights[0], weights[1]), ("fc2_weight", weights[2], weights[3])):
+        i = te.LNMLP_RECOMPUTED[name]
+        if levers.drops_workspace and out[i] is not weight:  # as TE: a quantized parameter is its own workspace
+            out[i] = None
+    return tuple(out)
 
 
 def _edit_mlp_ctx(ctx, module, weights: tuple, nta: tuple, recompute: bool) -> None:

@@ -163,6 +163,10 @@ class StockTEFails(Exception):
     drop-in has nothing to match (a skip with TE's error as the reason)."""
 
 
+class StockTEFailsWarning(UserWarning):
+    """A setting left out because stock TE fails it (see :class:`StockTEFails`)."""
+
+
 def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) -> list[str]:
     """Both twins through ``case``; conformance problems of every managed
     call, and (with ``numerics``) every difference from stock. ``prepare``

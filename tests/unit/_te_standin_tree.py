@@ -28,11 +28,11 @@ def _compat_literal(name: str):
     raise KeyError(name)
 
 
-def _unpack(table: dict[str, int]) -> str:
-    """``(a, b, ...) = non_tensor_args`` with each name of ``table`` at its position."""
+def _unpack(table: dict[str, int], source: str = "non_tensor_args") -> str:
+    """``(a, b, ...) = <source>`` with each name of ``table`` at its position."""
     by_index = {i: n for n, i in table.items()}
     names = [by_index.get(i, f"_unused{i}") for i in range(max(by_index) + 1)]
-    return f"({', '.join(names)},) = non_tensor_args"
+    return f"({', '.join(names)},) = {source}"
 
 
 def _files() -> dict[str, str]:
@@ -127,6 +127,7 @@ def _files() -> dict[str, str]:
                     return _LayerNormMLP._forward(ctx, *args)
                 @staticmethod
                 def backward(ctx, origin_fc1_weight, origin_fc2_weight):
+                    {_unpack(_compat_literal("LNMLP_RECOMPUTED"), "_LayerNormMLP._recompute(ctx)")}
                     fc1_weight = ctx.fc1_weight_quantizer(origin_fc1_weight)
                     fc2_weight = ctx.fc2_weight_quantizer(origin_fc2_weight)
                     return fc1_weight, fc2_weight

@@ -46,6 +46,10 @@ MLP = {"is_first_microbatch": 0, "fp8": 1, "fc1_weight_quantizer": 2, "fc2_weigh
        "checkpoint": 8, "debug": 9, "is_fsdp2": 10, "recompute_for_bwd": 11}
 
 
+#: Positions of the two workspaces in what the stand-in's recompute pass returns.
+RECOMPUTED = {"fc1_weight": 4, "fc2_weight": 10}
+
+
 class _Storage:
     """Stands for TE's QuantizedTensorStorage (no weight here is one)."""
 
@@ -71,7 +75,17 @@ class _MLPFunction:
     @staticmethod
     def _forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta):
         _MLPFunction.seen.append(nta)
+        if nta[MLP["recompute_for_bwd"]]:  # TE's recompute pass: its tensors for backward, workspaces built
+            out = [ctx] + [object() for _ in range(14)]
+            out[RECOMPUTED["fc1_weight"] + 1], out[RECOMPUTED["fc2_weight"] + 1] = fc1_w, fc2_w
+            return tuple(out)
         return inp
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """TE's backward under its own checkpoint: the recompute pass runs first."""
+        ctx.recomputed = _MLPFunction._recompute(ctx)
+        return grads
 
 
 class _RegionFlag:
@@ -98,6 +112,7 @@ def binding(monkeypatch):
         "LNMLPFunction": _MLPFunction,
         "LNL_ARGS": {},
         "LNMLP_ARGS": MLP,
+        "LNMLP_RECOMPUTED": RECOMPUTED,
         "is_fp8_activation_recompute_enabled": lambda: phase["enabled"],
         "in_fp8_activation_recompute_phase": lambda: phase["recompute"],
         "is_graph_capturing": lambda: False,
@@ -250,3 +265,60 @@ def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_d
     binding.seams._plan_mlp(module, tuple(nta), object(), object())
     sources = {plan.backward_source for _, plan in module._wm_state.last_plans().values()}
     assert sources == {BackwardSource.REQUANTIZE}
+
+
+def _own_recompute(binding, policy, quantizer=CURRENT):
+    """LayerNormMLP(checkpoint=True), unsharded: the seam's recompute pass in
+    backward, returning what it hands TE's backward and the ctx."""
+    module = _module(binding, "lnmlp", Sharding.NONE, policy)
+    ctx = SimpleNamespace(_te_wm_module=module, fc1_weight_quantizer=quantizer(), fc2_weight_quantizer=quantizer())
+    fc1_w, fc2_w = object(), object()
+    nta = _mlp_nta(quantizer, checkpoint=True, recompute_for_bwd=True)
+    out = binding.seams._LayerNormMLP._forward(ctx, "x", None, None, fc1_w, None, None, fc2_w, None, None, nta)
+    return out, ctx, module
+
+
+def test_own_recompute_pass_leaves_backward_to_rebuild_where_the_plan_requantizes(binding):
+    """Found by the GPU drawn-plan test: TE's own recompute ignores is_fsdp2 and
+    handed dgrad the pass's copy while the plan said requantize."""
+    from workspace_manager import CacheAction
+    from workspace_manager.testing.plans import DrawnPlanPolicy
+
+    def requantize(ctx, candidates):
+        return next(p for p in candidates
+                    if p.backward_source is BackwardSource.REQUANTIZE and p.cache is CacheAction.BYPASS)
+
+    out, ctx, module = _own_recompute(binding, DrawnPlanPolicy(chooser=requantize))
+    plans = module._wm_state.last_plans()
+    assert {plan.backward_source for _, plan in plans.values()} == {BackwardSource.REQUANTIZE}
+    assert out[RECOMPUTED["fc1_weight"]] is None and out[RECOMPUTED["fc2_weight"]] is None
+    # the rebuild builds the columnwise data dgrad reads, and nothing else (D9)
+    for name in ("fc1_weight_quantizer", "fc2_weight_quantizer"):
+        rebuilder = getattr(ctx, name)
+        assert type(rebuilder).__name__ == "RebuildQuantizer" and rebuilder.usage.label == "columnwise"
+
+
+def test_own_recompute_pass_hands_its_copy_to_backward_where_the_plan_saves_it(binding):
+    out, _, module = _own_recompute(binding, None)
+    plans = module._wm_state.last_plans()
+    assert {plan.backward_source for _, plan in plans.values()} == {BackwardSource.SAVED_WORKSPACE}
+    assert out[RECOMPUTED["fc1_weight"]] is not None and out[RECOMPUTED["fc2_weight"]] is not None
+
+
+def test_own_checkpoint_backward_releases_what_its_recompute_pass_planned(binding, monkeypatch):
+    """The release record is written by the recompute pass, inside TE's
+    backward: the backward seam must not skip its release step because the
+    first pass left none (found by the GPU drawn-plan test)."""
+    released = []
+    monkeypatch.setattr(binding.seams, "_release", released.append)
+    module = _module(binding, "lnmlp", Sharding.NONE)
+    ctx = SimpleNamespace(_te_wm_module=module)
+
+    def recompute(ctx):
+        ctx._te_wm_release = ("record",)  # what _edit_mlp_ctx leaves when the plan releases
+        return ()
+
+    monkeypatch.setattr(_MLPFunction, "_recompute", staticmethod(recompute), raising=False)
+    binding.seams._LayerNormMLP.backward(ctx, "grad")
+    assert released == [("record",)]
+    assert ctx._te_wm_module is None and ctx._te_wm_release is None
