@@ -381,15 +381,15 @@ def prime(recipes: list[str], dist) -> None:
 
 def profile_round(models: dict, opts: dict, recipes: dict, specs: dict[str, ModelSpec], batches) -> dict:
     """One more step of the stock and drop-in models under cProfile (seams
-    as in the timed rounds): Python-level calls per function, per model."""
-    from ._profile import profile_counts
+    as in the timed rounds): Python-level calls and own time per function,
+    per model (:func:`benchmarks._profile.profile_step`)."""
+    from ._profile import profile_step
 
     out = {}
     for label in ("stock", "dropin"):
         seams_for(specs[label].managed)
         torch.cuda.synchronize()
-        calls, own_s = profile_counts(lambda: run_step(models[label], opts[label], recipes[label], batches))
-        out[label] = {"calls": calls, "own_s": own_s}
+        out[label] = profile_step(lambda: run_step(models[label], opts[label], recipes[label], batches))
     return out
 
 

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 from . import _harness as h
 from ._runner import Job, gpu_main
-from ._profile import added_calls_table
+from ._profile import added_calls_table, own_time_table
 from ._stack import SIZES, ModelSpec, Steps, add_policy_argument, estimate_seconds, paired_times
 
 NAME = "step_time"
@@ -177,6 +177,9 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
             prof = s["profile"]
             tables.append(added_calls_table(f"Where the host time goes: {s['case']}, one step",
                                             prof["stock"]["calls"], prof["dropin"]["calls"]))
+            if "own_by" in prof["dropin"]:
+                tables.append(own_time_table(f"Own host time per function: {s['case']}, one step",
+                                             prof["stock"]["own_by"], prof["dropin"]["own_by"]))
     return {"rows": rows, "timings": timings, "tables": tables}
 
 

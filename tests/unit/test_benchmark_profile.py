@@ -4,7 +4,7 @@ on plain Python functions: it names the functions a variant adds."""
 from __future__ import annotations
 
 from benchmarks import step_time
-from benchmarks._profile import added_calls_table, profile_counts
+from benchmarks._profile import added_calls_table, own_time_table, profile_counts, profile_step
 
 
 def _leaf() -> int:
@@ -48,3 +48,24 @@ def test_the_summary_gets_one_table_per_profiled_case():
                {"case": "c2", "step_time_s": times, "losses": losses}]
     tables = step_time.summarize(samples)["tables"]
     assert len(tables) == 1 and tables[0]["rows"] == [["b.py:g", "0", "4", "+4"]]
+
+
+def test_the_own_time_table_lists_every_function_only_the_dropin_runs():
+    stock, dropin = profile_step(_stock), profile_step(_dropin)
+    assert abs(dropin["own_s"] - sum(dropin["own_by"].values())) < 1e-12
+    table = own_time_table("t", stock["own_by"], dropin["own_by"], top=1)
+    only = [row[0] for row in table["rows"] if row[0].endswith("(drop-in only)")]
+    assert any(":_wrapped" in row[0] for row in table["rows"])  # in the top entry or among the drop-in-only ones
+    assert not any(":_leaf (drop-in only)" in name for name in only)  # stock runs _leaf too
+    assert "functions stock does not run" in table["note"]
+
+
+def test_the_summary_adds_the_own_time_table_when_the_profile_has_times():
+    times = {label: [0.010, 0.011] for label in step_time.ORDER}
+    losses = {label: [1.0, 0.5] for label in step_time.ORDER}
+    profile = {"stock": {"calls": {"a.py:f": 2}, "own_by": {"a.py:f": 0.002}, "own_s": 0.002},
+               "dropin": {"calls": {"a.py:f": 2, "b.py:g": 4}, "own_by": {"a.py:f": 0.002, "b.py:g": 0.001},
+                          "own_s": 0.003}}
+    tables = step_time.summarize([{"case": "c", "step_time_s": times, "losses": losses, "profile": profile}])["tables"]
+    assert [t["title"].split(":")[0] for t in tables] == ["Where the host time goes", "Own host time per function"]
+    assert tables[1]["rows"][0] == ["a.py:f", "2.000", "2.000"] and tables[1]["rows"][1] == ["b.py:g", "0.000", "1.000"]
