@@ -66,6 +66,9 @@ _NONE, _RESHARD, _KEEP = SHARDINGS[:3]
 if set(SHARDINGS) != set(Sharding):  # the codes below must cover every sharding
     raise ImportError(f"te_integration._state knows the shardings {SHARDINGS}, workspace_manager has {tuple(Sharding)}")
 _DISTRIBUTED_CODE = 3
+#: Instance-dependent capabilities -> a small int for memo keys (see
+#: ModuleWorkspaceState._instance_keys); process-wide, as capabilities are values.
+_CAPABILITY_TOKENS: dict[Any, int] = {}
 #: Weight type -> whether it is a quantized tensor (isinstance, once per type).
 _IS_QUANTIZED: dict[type, bool] = {}
 
@@ -167,7 +170,7 @@ class ModuleWorkspaceState:
     """
 
     __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "previous_active", "_memo", "_generation",
-                 "_quantizer_keys", "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
+                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -189,6 +192,13 @@ class ModuleWorkspaceState:
         #: quantizer class -> what its capabilities depend on (the class itself
         #: for fixed capabilities; absent for instance-dependent ones).
         self._quantizer_keys: dict[type, type] = {}
+        #: id(quantizer) -> (quantizer, token) for classes whose capabilities
+        #: depend on the instance (block FP8's 1D or 2D scaling, NVFP4's
+        #: options): read once per quantizer object, which TE makes with
+        #: those options and never changes. The token is an int, so the memo
+        #: key hashes without Python (a Quantizer's and the capabilities'
+        #: ``__hash__`` are Python code).
+        self._instance_keys: dict[int, tuple[Any, int]] = {}
         self._last: dict[str, Levers] = {}
         #: The weights of the call in flight, with their levers: (tensor, levers, ...).
         self.weights: tuple = ()
@@ -253,7 +263,11 @@ class ModuleWorkspaceState:
         if default_registry.generation != self._generation:
             self._forget()
         keys, stype = self._quantizer_keys, type(source)
-        caps_key = keys[stype] if stype in keys else self._capabilities_key(source)
+        if stype in keys:
+            caps_key = keys[stype]
+        else:
+            known = self._instance_keys.get(id(source))
+            caps_key = known[1] if known is not None and known[0] is source else self._capabilities_key(source)
         if distributed:
             code = _DISTRIBUTED_CODE
         else:
@@ -273,17 +287,23 @@ class ModuleWorkspaceState:
         return levers
 
     def _capabilities_key(self, quantizer: Any) -> Any:
-        """What ``quantizer``'s capabilities depend on; remembered per class
-        when that is the class alone."""
+        """What ``quantizer``'s capabilities depend on: its class, remembered
+        per class, when that is the class alone; else a token for the
+        capabilities, remembered per quantizer object."""
         caps_key = default_registry.capabilities_key(quantizer)
         if caps_key is type(quantizer):
             self._quantizer_keys[caps_key] = caps_key
-        return caps_key
+            return caps_key
+        tokens = _CAPABILITY_TOKENS
+        token = tokens[caps_key] if caps_key in tokens else tokens.setdefault(caps_key, len(tokens))
+        self._instance_keys[id(quantizer)] = (quantizer, token)
+        return token
 
     def _forget(self) -> None:
         """Quantizer registrations changed: every memoized plan may be stale."""
         self._memo.clear()
         self._quantizer_keys.clear()
+        self._instance_keys.clear()
         self._generation = default_registry.generation
 
     def remember(self, levers: Levers) -> None:

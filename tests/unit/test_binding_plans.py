@@ -322,3 +322,35 @@ def test_own_checkpoint_backward_releases_what_its_recompute_pass_planned(bindin
     binding.seams._LayerNormMLP.backward(ctx, "grad")
     assert released == [("record",)]
     assert ctx._te_wm_module is None and ctx._te_wm_release is None
+
+
+def _block_quantizer(dim: int):
+    """Stands for TE's Float8BlockQuantizer, whose capabilities depend on the
+    instance (1D or 2D scaling)."""
+    cls = type("Float8BlockQuantizer", (), {"__module__": "transformer_engine.pytorch.tensor.float8_blockwise_tensor",
+                                             "__qualname__": "Float8BlockQuantizer"})
+    quantizer = cls()
+    quantizer.block_scaling_dim = dim
+    return quantizer
+
+
+def _levers(state, module, quantizer):
+    return state.levers(module, "weight", object(), quantizer, True, True, None, None, 0, False)
+
+
+def test_instance_dependent_capabilities_are_read_once_per_quantizer_object(binding, monkeypatch):
+    """Block FP8's capabilities depend on the quantizer object: each object
+    is planned for its own, and a repeated call asks the registry nothing
+    (found by the GPU step profile: ten calls per weight and call)."""
+    module = _module(binding, "linear", Sharding.NONE)
+    state = module._wm_state
+    two_d, one_d = _block_quantizer(2), _block_quantizer(1)
+    plans = {dim: _levers(state, module, q).context.capabilities.name for dim, q in ((2, two_d), (1, one_d))}
+    assert plans[2] != plans[1]
+    assert state.shapes_planned() == 2
+    asked = []
+    registry = binding.state.default_registry
+    monkeypatch.setattr(registry, "capabilities_key", lambda q: asked.append(q) or type(q))
+    assert _levers(state, module, two_d).context.capabilities.name == plans[2]
+    assert _levers(state, module, one_d).context.capabilities.name == plans[1]
+    assert asked == [] and state.shapes_planned() == 2
