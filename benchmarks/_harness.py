@@ -241,7 +241,7 @@ def ratio_row(case: str, metric: str, unit: str, stock: float | None, dropin: fl
     if limit is not None and stock is not None and dropin is not None:
         bound = stock * limit if ratio is not None else stock
         ok = dropin < bound if strict else dropin <= bound
-    target = "" if limit is None else f"ratio {'<' if strict else '<='} {limit:.2f}"
+    target = "" if limit is None else f"ratio {'<' if strict else '<='} {limit:g}"  # 1.005 stays 1.005
     return {"case": case, "metric": metric, "unit": unit, "stock": stock, "dropin": dropin, "bf16": bf16,
             "ratio": ratio, "target": target, "ok": ok, "spread": spread_text, "note": note}
 

@@ -221,7 +221,7 @@ def test_ratio_and_time_rows():
     assert h.ratio_row("c", "m", "MiB", 10.0, 10.0)["ok"] is True
     assert h.ratio_row("c", "m", "MiB", 10.0, 10.001)["ok"] is False
     strict = h.ratio_row("c", "m", "", 32, 32, limit=1.0, strict=True)
-    assert strict["ok"] is False and strict["target"] == "ratio < 1.00"
+    assert strict["ok"] is False and strict["target"] == "ratio < 1"
     assert h.ratio_row("c", "m", "", 0.0, 0.0)["ratio"] is None
     assert h.ratio_row("c", "m", "", 1.0, 2.0, limit=None)["ok"] is None
     row = h.time_row("c", [0.010] * 3, [0.0101] * 3)
@@ -236,7 +236,7 @@ def test_microbatch_summary_wants_fewer_quantizations_and_a_faster_step():
     summary = microbatch.summarize(samples, args)
     by_metric = {r["metric"]: r for r in summary["rows"]}
     assert by_metric["weight quantizations per step"]["ok"] is True
-    assert by_metric["median step time"]["ok"] is True and by_metric["median step time"]["target"] == "ratio < 1.00"
+    assert by_metric["median step time"]["ok"] is True and by_metric["median step time"]["target"] == "ratio < 1"
     assert "FP8 workspace per weight" in by_metric["peak allocated over baseline"]["note"]
     assert summary["bars"][0]["groups"] == {"stock": [32.0], "drop-in": [8.0]}
 
@@ -516,3 +516,8 @@ def test_the_package_table_lists_every_benchmark_module():
     assert listed, "the table was not found"
     # plot is named in the prose above the table: it draws, it measures nothing
     assert modules - {"plot"} == listed
+
+
+def test_a_ratio_target_prints_as_many_digits_as_it_has():
+    row = h.ratio_row("c", "median step time", "ms", 100.0, 100.4, limit=1.005)
+    assert row["target"] == "ratio <= 1.005" and row["ok"] is True
