@@ -230,17 +230,28 @@ def compare(pairs: Sequence[tuple[Run, Run]]) -> Comparison:
     return Comparison(tuple(pairs), tuple(differences), tuple(unmatched), tuple(problems))
 
 
-# -- skips and xfails by reason -------------------------------------------------------
+# -- skips, xfails and failures by reason -------------------------------------------------
+#: Outcomes grouped by reason: a failure's reason is the first line of its message.
+_GROUPED = (Outcome.SKIPPED, Outcome.XFAILED, Outcome.FAILED, Outcome.ERROR)
+#: A failure's reason is cut here (messages may carry values that differ per test).
+REASON_CHARS = 200
+
+
 def reasons(comparison: Comparison) -> list[dict[str, Any]]:
-    """Skipped and xfailed tests grouped by (kind, reason): counts per
-    variant and up to :data:`EXAMPLES` test ids, most frequent first."""
+    """Skipped, xfailed, failed and errored tests grouped by (kind,
+    reason): counts per variant and up to :data:`EXAMPLES` test ids, most
+    frequent first. A failure shared by both variants is TE's own on the
+    machine; this says what it was."""
     table: dict[tuple[str, str], dict[str, Any]] = {}
     for pair in comparison.pairs:
         for run in pair:
             for tid, result in sorted(run.results.items()):
-                if result.outcome not in (Outcome.SKIPPED, Outcome.XFAILED):
+                if result.outcome not in _GROUPED:
                     continue
-                key = (result.outcome.value, result.message)
+                reason = result.message
+                if result.outcome in (Outcome.FAILED, Outcome.ERROR):
+                    reason = reason.splitlines()[0][:REASON_CHARS] if reason else ""
+                key = (result.outcome.value, reason)
                 row = table.setdefault(key, {"kind": key[0], "reason": key[1], "stock": 0, "dropin": 0,
                                              "examples": []})
                 row[run.variant.value] += 1
@@ -326,7 +337,7 @@ def _reason_lines(comparison: Comparison) -> list[str]:
     rows = reasons(comparison)
     if not rows:
         return []
-    lines = ["", "## Skipped and xfailed, by reason", "",
+    lines = ["", "## Skipped, xfailed and failed, by reason", "",
              "Counts per variant; the first example of each (comparison.json lists up to "
              f"{EXAMPLES}).", ""]
     return lines + _table(("kind", "reason", "stock", "drop-in", "example"),

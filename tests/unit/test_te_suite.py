@@ -160,6 +160,14 @@ def test_skips_and_xfails_are_grouped_by_reason_with_counts():
     assert len(rows[0]["examples"]) == EXAMPLES
 
 
+def test_failures_shared_by_both_variants_are_grouped_by_their_first_line():
+    cuda = "RuntimeError: rtc.cpp:137: CUDA Error: invalid device context\n  more detail"
+    stock = {"a": CaseResult(F, cuda), "b": CaseResult(F, cuda), "c": CaseResult(P)}
+    rows = report.reasons(report.compare([_pair(stock, dict(stock))]))
+    assert [(r["kind"], r["reason"], r["stock"], r["dropin"]) for r in rows] == [
+        ("failed", "RuntimeError: rtc.cpp:137: CUDA Error: invalid device context", 2, 2)]
+
+
 def test_summary_and_json_say_what_differs_and_why_tests_skipped():
     skip = CaseResult(S, "needs sm_100")
     failed = CaseResult(F, "Tensor-likes are not equal")
