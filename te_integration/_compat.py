@@ -259,15 +259,18 @@ def _unpacked_names(fn, source_name: str) -> list[str]:
     source = _source(fn)
     tree = ast.parse(textwrap.dedent(source)) if source is not None else ast.Module(body=[], type_ignores=[])
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and _names(node.value, source_name):
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+                and _is_named(node.value, source_name)):
             return [t.id for t in node.targets[0].elts if isinstance(t, ast.Name)]
     return []
 
 
-def _names(value: ast.expr, name: str) -> bool:
+def _is_named(value: ast.expr, name: str) -> bool:
+    """Whether ``value`` is ``name``, ``<...>.name`` or a call of either."""
     if isinstance(value, ast.Call):
         value = value.func
-    return (isinstance(value, ast.Name) and value.id == name) or (isinstance(value, ast.Attribute) and value.attr == name)
+    return ((isinstance(value, ast.Name) and value.id == name)
+            or (isinstance(value, ast.Attribute) and value.attr == name))
 
 
 def _check_structure() -> list[str]:

@@ -170,7 +170,8 @@ class ModuleWorkspaceState:
     """
 
     __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "previous_active", "_memo", "_generation",
-                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "filled", "_rebuilders")
+                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "filled",
+                 "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
