@@ -302,19 +302,9 @@ class FwdArgs:
     is_fsdp2: bool = False
 
 
-class TELinear(torch.nn.Module):
-    """Stands for te.Linear: the same forward skeleton around the Function."""
-
-    def __init__(self, in_features: int, out_features: int, seed: int = 0) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen))
-        self._fp8_workspaces: dict = {}
-        self.quantizer = Float8CurrentScalingQuantizer()
-        #: Every call's arguments (None: not kept; they hold the cached workspace).
-        self.calls: list[FwdArgs] | None = []
-        #: The recipe's backward_override (TE reads it from the recipe).
-        self.backward_override: str | None = None
+class TEModule(torch.nn.Module):
+    """What the stand-in modules share with TE's base module: the forward
+    window the drop-ins override, and no FSDP2 flag of their own."""
 
     @property
     def is_fsdp2(self) -> bool:
@@ -328,6 +318,21 @@ class TELinear(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         pass
+
+
+class TELinear(TEModule):
+    """Stands for te.Linear: the same forward skeleton around the Function."""
+
+    def __init__(self, in_features: int, out_features: int, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen))
+        self._fp8_workspaces: dict = {}
+        self.quantizer = Float8CurrentScalingQuantizer()
+        #: Every call's arguments (None: not kept; they hold the cached workspace).
+        self.calls: list[FwdArgs] | None = []
+        #: The recipe's backward_override (TE reads it from the recipe).
+        self.backward_override: str | None = None
 
     def forward(self, inp, is_first_microbatch: bool | None = None):
         inp = self.prepare_forward(inp)
@@ -425,19 +430,21 @@ def compat() -> dict[str, Any]:
     base = types.ModuleType("fake_te.base")
     base.quantize_weight = _te_named(quantize_weight, "fake_te.base", "quantize_weight")
     linear = _file("linear", _Linear=_te_named(LinearFunction, "fake_te.linear", "_Linear"))
-    fn = {name: _te_named(type(name, (), {"forward": staticmethod(lambda *a: None),
-                                          "_forward": staticmethod(lambda *a: None)}), f"fake_te.{file}", name)
-          for file, name in (("lnl", "_LayerNormLinear"), ("lnmlp", "_LayerNormMLP"))}
-    lnl = _file("lnl", _LayerNormLinear=fn["_LayerNormLinear"])
-    lnmlp = _file("lnmlp", _LayerNormMLP=fn["_LayerNormMLP"])
+    import _fake_te_mlp as mlp  # it imports this module
+
+    lnl_fn = _te_named(type("_LayerNormLinear", (), {"forward": staticmethod(lambda *a: None)}), "fake_te.lnl",
+                       "_LayerNormLinear")
+    mlp_fn = _te_named(type("_LayerNormMLP", (mlp.MLPFunction,), {}), "fake_te.lnmlp", "_LayerNormMLP")
+    lnl = _file("lnl", _LayerNormLinear=lnl_fn)
+    lnmlp = _file("lnmlp", _LayerNormMLP=mlp_fn, prepare_for_saving=prepare_for_saving)
     other = type("_Unused", (torch.nn.Module,), {"prepare_forward": TELinear.prepare_forward,
                                                   "end_forward": TELinear.end_forward})
     return {
         "QuantizedTensorStorage": QuantizedTensorStorage,
-        "TELinear": TELinear, "TELayerNormLinear": other, "TELayerNormMLP": type("_UnusedMLP", (other,), {}),
-        "LinearFunction": LinearFunction, "LNLFunction": fn["_LayerNormLinear"],
-        "LNMLPFunction": fn["_LayerNormMLP"], "base_module": base,
-        "LNL_ARGS": {}, "LNMLP_ARGS": {},
+        "TELinear": TELinear, "TELayerNormLinear": other, "TELayerNormMLP": mlp.TELayerNormMLP,
+        "LinearFunction": LinearFunction, "LNLFunction": lnl_fn,
+        "LNMLPFunction": mlp_fn, "base_module": base,
+        "LNL_ARGS": {}, "LNMLP_ARGS": mlp.ARGS, "LNMLP_RECOMPUTED": mlp.RECOMPUTED,
         "linear_module": linear, "lnl_module": lnl, "lnmlp_module": lnmlp,
         "mha_module": types.ModuleType("fake_mha"), "transformer_module": types.ModuleType("fake_transformer"),
         "quantize_weight": quantize_weight,

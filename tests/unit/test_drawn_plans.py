@@ -9,6 +9,8 @@ reading the stand-in's storages, which follow TE 2.20's
 and its Linear's save, rebuild and clear steps. Every call either conforms,
 with outputs and gradients equal to a stock twin's, or is refused at the
 module call with a PolicyMismatchError naming a plan field and the context.
+The same runs for LayerNormMLP (``_fake_te_mlp.py``: both weights, its own
+``checkpoint=True`` recompute, TE's one ``is_fsdp2`` switch for both).
 A second test pins plans from a list of plan classes that TE's code can
 carry out, written from reading it, and asserts none is refused.
 """
@@ -28,6 +30,7 @@ from hypothesis import strategies as st
 
 import _fake_te
 from _fake_te import TELinear, load_full_binding
+from _fake_te_mlp import TELayerNormMLP
 from workspace_manager import (
     PROFILES,
     BackwardSource,
@@ -43,7 +46,7 @@ from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding, mean
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from _conformance import CallRecorder  # noqa: E402
 
-IN, OUT, TOKENS = 8, 6, 4
+IN, OUT, TOKENS, FFN = 8, 6, 4, 12
 PLAN_FIELDS = ("cache", "forward_usage", "backward_source", "backward_usage", "columnwise_source", "release",
                "parameter_keeps")
 
@@ -57,6 +60,9 @@ class Setting:
     no_grad: bool
     override: str | None
     input_grad: bool
+    kind: str = "Linear"
+    #: LayerNormMLP(checkpoint=True): the module's own recompute.
+    own: bool = False
 
 
 @st.composite
@@ -72,15 +78,36 @@ def settings_(draw) -> Setting:
     )
 
 
-def _pair(ti, setting: Setting, policy: DrawnPlanPolicy) -> tuple[TELinear, TELinear]:
-    stock, managed = TELinear(IN, OUT, seed=7), TELinear(IN, OUT, seed=7)
+@st.composite
+def mlp_settings(draw) -> Setting:
+    """LayerNormMLP's settings: no backward_override (TE 2.20's LayerNormMLP
+    takes none) and dgrad always (for the norm), with its own checkpoint."""
+    mode = draw(st.sampled_from(["plain", "recompute", "own", "no_grad"]))
+    return Setting(
+        sharding=draw(st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])),
+        microbatches=draw(st.sampled_from([(None,), (True, False, False)])),
+        recompute=mode == "recompute", no_grad=mode == "no_grad", override=None, input_grad=True,
+        kind="LayerNormMLP", own=mode == "own",
+    )
+
+
+def _pair(ti, setting: Setting, policy: DrawnPlanPolicy):
+    if setting.kind == "LayerNormMLP":
+        stock, managed = (TELayerNormMLP(IN, FFN, seed=7, checkpoint=setting.own) for _ in range(2))
+        kind = ti.state.ModuleKind.LAYERNORM_MLP
+    else:
+        stock, managed = TELinear(IN, OUT, seed=7), TELinear(IN, OUT, seed=7)
+        kind = ti.state.ModuleKind.LINEAR
+        for module in (stock, managed):
+            module.backward_override = setting.override
+            module.calls = None  # a kept argument record would hold workspaces the plan releases
     ti.modules.convert_model(managed)
-    state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.LINEAR, policy, probe=FixedSharding(setting.sharding))
-    managed.__dict__["_wm_state"] = state
-    for module in (stock, managed):
-        module.backward_override = setting.override
-        module.calls = None  # a kept argument record would hold workspaces the plan releases
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(kind, policy, probe=FixedSharding(setting.sharding))
     return stock, managed
+
+
+def _grads(module) -> list:
+    return [p.grad.clone() for p in module.parameters()]
 
 
 def _call(module, setting: Setting, x, first):
@@ -92,9 +119,15 @@ def _call(module, setting: Setting, x, first):
     return module(x, is_first_microbatch=first)
 
 
-def _recorder(ti, module) -> CallRecorder:
-    return CallRecorder(files=[ti.files["linear"]], storage_base=_fake_te.QuantizedTensorStorage,
-                        plans=lambda: ti.modules.last_plans(module), weights={"weight": (OUT, IN)},
+#: Weight keys and shapes, distinct from each other and from the input's (TOKENS, IN).
+_WEIGHTS = {"Linear": ("linear", {"weight": (OUT, IN)}),
+            "LayerNormMLP": ("lnmlp", {"fc1_weight": (FFN, IN), "fc2_weight": (IN, FFN)})}
+
+
+def _recorder(ti, module, kind: str) -> CallRecorder:
+    file, weights = _WEIGHTS[kind]
+    return CallRecorder(files=[ti.files[file]], storage_base=_fake_te.QuantizedTensorStorage,
+                        plans=lambda: ti.modules.last_plans(module), weights=weights,
                         parameter=lambda key: getattr(module, key), cache=lambda: module._fp8_workspaces)
 
 
@@ -107,7 +140,7 @@ def _run_stock(stock, setting: Setting, x, first) -> list:
 
 
 def _run_managed(ti, managed, setting: Setting, x, first, last: bool, opt) -> tuple[list, list[str]]:
-    rec = _recorder(ti, managed)
+    rec = _recorder(ti, managed, setting.kind)
     with rec.forward():
         out = _call(managed, setting, x, first)
     if setting.no_grad:
@@ -116,7 +149,7 @@ def _run_managed(ti, managed, setting: Setting, x, first, last: bool, opt) -> tu
         out.square().sum().backward()
     seen = [out, x.grad]
     if last:
-        seen.append(managed.weight.grad.clone())
+        seen += _grads(managed)
         with rec.step():
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -141,7 +174,7 @@ def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> lis
             last = micro == len(setting.microbatches) - 1
             want = _run_stock(stock, setting, xs, first)
             if last and not setting.no_grad:
-                want.append(stock.weight.grad.clone())
+                want += _grads(stock)
                 opts[0].step()
                 opts[0].zero_grad(set_to_none=True)
             got, found = _run_managed(ti, managed, setting, xm, first, last, opts[1])
@@ -179,15 +212,29 @@ _HYPOTHESIS = settings(max_examples=_EXAMPLES, deadline=None, phases=[Phase.expl
                        suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@_HYPOTHESIS
-@given(setting=settings_(), data=st.data())
-def test_every_drawn_plan_is_carried_out_or_refused_by_name(ti, setting, data):
+def _carried_out_or_refused(ti, setting: Setting, data) -> None:
     try:
         problems = _train(ti, setting, _drawing(data))
     except PolicyMismatchError as err:
         _assert_refusal_names_the_plan(err)
         return
     assert not problems, "\n".join(problems)
+
+
+@_HYPOTHESIS
+@given(setting=settings_(), data=st.data())
+def test_every_drawn_plan_is_carried_out_or_refused_by_name(ti, setting, data):
+    _carried_out_or_refused(ti, setting, data)
+
+
+@_HYPOTHESIS
+@given(setting=mlp_settings(), data=st.data())
+def test_every_drawn_layernorm_mlp_plan_is_carried_out_or_refused_by_name(ti, setting, data):
+    """The same for LayerNormMLP's two weights, each drawn its own plan,
+    through TE's own checkpoint too (the GPU drawn-plan test found its
+    recompute pass not carried out in round 6; this stand-in finds it on
+    the code before the fix)."""
+    _carried_out_or_refused(ti, setting, data)
 
 
 def test_picked_plans_choose_on_any_thread_and_say_what_they_chose():
