@@ -9,7 +9,7 @@ import cProfile
 import pstats
 from collections.abc import Callable
 
-__all__ = ["profile_counts", "profile_step", "added_calls_table", "own_time_table"]
+__all__ = ["profile_step", "added_calls_table", "own_time_table"]
 
 #: Folders whose name starts a function's label (the rest of the path is
 #: the machine's, not the project's).
@@ -40,13 +40,6 @@ def profile_step(fn: Callable[[], object]) -> dict:
         calls[label] = calls.get(label, 0) + primitive
         own_by[label] = own_by.get(label, 0.0) + tottime
     return {"calls": calls, "own_by": own_by, "own_s": sum(own_by.values())}
-
-
-def profile_counts(fn: Callable[[], object]) -> tuple[dict[str, int], float]:
-    """Run ``fn`` once under cProfile: calls per function label, and the
-    profiled run's own time in seconds (inflated by profiling; for scale only)."""
-    step = profile_step(fn)
-    return step["calls"], step["own_s"]
 
 
 def added_calls_table(title: str, stock: dict[str, int], dropin: dict[str, int], top: int = 25) -> dict:

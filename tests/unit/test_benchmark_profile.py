@@ -4,7 +4,7 @@ on plain Python functions: it names the functions a variant adds."""
 from __future__ import annotations
 
 from benchmarks import step_time
-from benchmarks._profile import added_calls_table, own_time_table, profile_counts, profile_step
+from benchmarks._profile import added_calls_table, own_time_table, profile_step
 
 
 def _leaf() -> int:
@@ -24,9 +24,10 @@ def _dropin() -> int:
 
 
 def test_the_table_names_each_added_function_with_its_count():
-    stock, _ = profile_counts(_stock)
-    dropin, own_s = profile_counts(_dropin)
-    assert own_s >= 0
+    stock = profile_step(_stock)["calls"]
+    step = profile_step(_dropin)
+    dropin = step["calls"]
+    assert step["own_s"] >= 0
     table = added_calls_table("t", stock, dropin)
     added = {row[0].rsplit(":", 1)[1]: row[3] for row in table["rows"]}
     assert added["_wrapped"] == "+3" and "_leaf" not in added  # _leaf: 3 calls in both
@@ -34,7 +35,7 @@ def test_the_table_names_each_added_function_with_its_count():
 
 
 def test_function_labels_keep_no_machine_path():
-    calls, _ = profile_counts(_stock)
+    calls = profile_step(_stock)["calls"]
     assert any(label.startswith("tests/unit/") or label.startswith("test_benchmark_profile.py:") for label in calls)
     assert not any(label.startswith("/") for label in calls)
 

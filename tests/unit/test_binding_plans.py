@@ -31,10 +31,9 @@ from workspace_manager import (
 BUILD_ONCE = RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE)
 
 
-def _quantizer_class(name: str) -> type:
+def _quantizer_class(name: str, file: str = "float8_tensor") -> type:
     # Named as TE's classes, so the registry's TE profiles describe them.
-    module = "transformer_engine.pytorch.tensor.float8_tensor"
-    return type(name, (), {"__module__": module, "__qualname__": name})
+    return type(name, (), {"__module__": f"transformer_engine.pytorch.tensor.{file}", "__qualname__": name})
 
 
 DELAYED = _quantizer_class("Float8Quantizer")
@@ -327,9 +326,7 @@ def test_own_checkpoint_backward_releases_what_its_recompute_pass_planned(bindin
 def _block_quantizer(dim: int):
     """Stands for TE's Float8BlockQuantizer, whose capabilities depend on the
     instance (1D or 2D scaling)."""
-    cls = type("Float8BlockQuantizer", (), {"__module__": "transformer_engine.pytorch.tensor.float8_blockwise_tensor",
-                                             "__qualname__": "Float8BlockQuantizer"})
-    quantizer = cls()
+    quantizer = _quantizer_class("Float8BlockQuantizer", "float8_blockwise_tensor")()
     quantizer.block_scaling_dim = dim
     return quantizer
 
