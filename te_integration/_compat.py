@@ -107,6 +107,8 @@ SEAMS: tuple[Seam, ...] = (
     # quantize_weight: TE's own, and the module globals the seam replaces.
     Seam(_BASE, "quantize_weight", "quantize_weight"), Seam(_LIN, "quantize_weight"), Seam(_LNL, "quantize_weight"),
     Seam(_MLP, "quantize_weight"),
+    # LayerNormMLP's saving helper: swapped for the call alone when FC1 and FC2 save differently.
+    Seam(_MLP, "prepare_for_saving"),
     Seam(_BASE, "_is_weight_workspace_valid", "is_weight_workspace_valid"),
     # Names managed_construction rebinds while TE builds its composite modules.
     Seam(f"{_PT}.attention.multi_head_attention", "Linear"),
@@ -229,7 +231,8 @@ _SENTINELS = {
     TELayerNormLinear.forward: ["_LayerNormLinear.apply", "_LayerNormLinear.forward", "self.prepare_forward(",
                                 "self.end_forward()"],
     TELinear.forward: ["_linear_eager(", "self.prepare_forward(", "self.end_forward()"],
-    LNMLPFunction._forward: ["fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation", "ctx.is_fsdp2 = is_fsdp2"],
+    LNMLPFunction._forward: ["fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation", "ctx.is_fsdp2 = is_fsdp2",
+                             "tensors_to_save, tensor_objects = prepare_for_saving(", "fc1_wt_save,", "fc2_wt_save,"],
     LNMLPFunction.forward: ["_LayerNormMLP._forward("],
     LNMLPFunction.backward: ["ctx.fc1_weight_quantizer(origin_fc1_weight)", "ctx.fc2_weight_quantizer(origin_fc2_weight)"],
     linear_module._linear_backward_impl: ["weight_fp8 = bwd_args.weight_quantizer(saved_weight)"],

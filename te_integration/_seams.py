@@ -126,6 +126,8 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
             quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
         out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
                                     skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+    if levers.drops_workspace and module._wm_state.dropped is not None:  # FC1 and FC2 save differently
+        module._wm_state.dropped.append(out)
     if levers.saves_columnwise_only and not hit:  # a fresh workspace (a cache entry keeps what it holds)
         # D11: the rowwise tensors, found now: TE's prepare_for_saving
         # empties the storage before its forward returns (see _end_call).
@@ -372,17 +374,19 @@ class _LayerNormMLP(te.LNMLPFunction):
             out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
             return out if recompute or not _LEDGER.enabled else _observed(ctx, None, out)
         weights = _plan_mlp(module, nta, fc1_w, fc2_w)
+        split = weights[1].drops_workspace is not weights[3].drops_workspace
         i = a["is_fsdp2"]
         nta = nta[:i] + (weights[1].drops_workspace and weights[3].drops_workspace,) + nta[i + 1:]
         previous = ACTIVE.set(module) if recompute else None  # backward thread: not inside the module's window
         state: ModuleWorkspaceState = module._wm_state
         state.weights = weights
         try:
-            out = te.LNMLPFunction._forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            args = (ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, nta)
+            out = _forward_split(state, args) if split else te.LNMLPFunction._forward(*args)
             if state.pending or state.rowwise_parts:
                 _end_call(module, ctx)
         finally:
-            state.weights, state.pending, state.rowwise_parts = (), None, None
+            state.weights, state.pending, state.rowwise_parts, state.dropped = (), None, None, None
             if recompute:
                 ACTIVE.reset(previous)
         if ctx is not None and nta[a["is_grad_enabled"]]:
@@ -423,23 +427,32 @@ def _plan_mlp(module, nta: tuple, fc1_w, fc2_w) -> tuple:
                        recompute, module_scope)
     fc2 = state.levers(module, "fc2_weight", fc2_w, nta[a["fc2_weight_quantizer"]], grad, True, first, None,
                        recompute, module_scope)
-    if fc1.drops_workspace is not fc2.drops_workspace:
-        _refuse_split_lever(fc1, fc2)
     return (fc1_w, fc1, fc2_w, fc2)
 
 
-def _refuse_split_lever(fc1: Levers, fc2: Levers) -> None:
-    """TE 2.20.2's LayerNormMLP saves or drops both weights' workspaces
-    together (one ``is_fsdp2`` argument): plans that differ there cannot both
-    be carried out, and running one of them would be silently wrong."""
-    from workspace_manager import UnsupportedPlanError
+def _forward_split(state: ModuleWorkspaceState, args: tuple):
+    """TE's ``_forward`` for FC1 and FC2 planned to save differently. TE
+    2.20.2 saves or drops both workspaces with one ``is_fsdp2`` switch, so it
+    runs with the switch off (both saved) while the workspaces of the weight
+    that backward rebuilds (recorded by :func:`managed_quantize_weight`) are
+    handed to TE's ``prepare_for_saving`` as None. Backward then finds None
+    in that place, TE's own signal to quantize the weight again
+    (``if fc1_weight is None``). The module's own recompute pass returns its
+    tensors instead (:func:`_rebuild_in_backward`). The name is swapped in
+    ``layernorm_mlp.py``'s globals for this call only; a concurrent call of
+    another module is unaffected, as the swap replaces only this call's
+    workspaces."""
+    dropped = state.dropped = []
+    original = te.lnmlp_module.prepare_for_saving
 
-    raise UnsupportedPlanError(
-        "LayerNormMLP cannot carry out these plans in TE 2.20.2: backward_source differs between fc1_weight "
-        f"({fc1.plan.backward_source.value}) and fc2_weight ({fc2.plan.backward_source.value}), but TE saves or "
-        "drops both workspaces with one switch. Context: "
-        f"{fc1.context}. Make the policy give both weights the same backward_source for this context."
-    )
+    def prepare_for_saving(*tensors):
+        return original(*[None if any(t is d for d in dropped) else t for t in tensors])
+
+    te.lnmlp_module.prepare_for_saving = prepare_for_saving
+    try:
+        return te.LNMLPFunction._forward(*args)
+    finally:
+        te.lnmlp_module.prepare_for_saving = original
 
 
 def _rebuild_in_backward(recomputed: tuple, weights: tuple) -> tuple:

@@ -170,8 +170,8 @@ class ModuleWorkspaceState:
     """
 
     __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "previous_active", "_memo", "_generation",
-                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "filled",
-                 "_rebuilders")
+                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "dropped",
+                 "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
@@ -209,6 +209,9 @@ class ModuleWorkspaceState:
         #: D11: rowwise tensors of this call's fresh workspaces that backward
         #: will not read, to be left out of what the autograd ctx saves.
         self.rowwise_parts: list | None = None
+        #: LayerNormMLP with FC1 and FC2 planned to save differently: the
+        #: workspaces of this call that backward must not get (None otherwise).
+        self.dropped: list | None = None
         #: weight key -> (id of the cache entry this state filled, whether it
         #: holds columnwise data). A hit on that entry skips re-validating
         #: it: the binding built it with those usages, and TE never adds to

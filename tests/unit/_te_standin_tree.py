@@ -115,12 +115,19 @@ def _files() -> dict[str, str]:
         "pytorch/module/layernorm_mlp.py": f"""
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
+            def prepare_for_saving(*tensors):
+                return list(tensors), [None] * len(tensors)
             class _LayerNormMLP:
                 @staticmethod
                 def _forward(ctx, non_tensor_args, is_recomputation):
                     {_unpack(_compat_literal("LNMLP_ARGS"))}
                     fsdp2_skip_columnwise = is_fsdp2 and not is_recomputation
                     ctx.is_fsdp2 = is_fsdp2
+                    fc1_wt_save = fc2_wt_save = None
+                    tensors_to_save, tensor_objects = prepare_for_saving(
+                        fc1_wt_save,
+                        fc2_wt_save,
+                    )
                     return fsdp2_skip_columnwise
                 @staticmethod
                 def forward(ctx, *args):

@@ -241,22 +241,66 @@ def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exa
         assert plan.cache.value == expected
 
 
-def test_layernorm_mlp_refuses_plans_that_need_two_settings_of_one_lever(binding):
-    """FC1 saved, FC2 rebuilt: TE has one switch for both, so planning fails
-    with an error naming the field, never a silent compromise."""
-    from workspace_manager import PolicyMismatchError
+def _saving_quantizer(name: str) -> type:
+    """A stand-in quantizer with the usages the quantize_weight seam sets,
+    named as TE's class so the registry's TE profiles describe it."""
+    def set_usage(self, *, rowwise=None, columnwise=None):
+        self.rowwise_usage = self.rowwise_usage if rowwise is None else rowwise
+        self.columnwise_usage = self.columnwise_usage if columnwise is None else columnwise
 
+    return type(name, (), {"__module__": "transformer_engine.pytorch.tensor.float8_tensor", "__qualname__": name,
+                           "rowwise_usage": True, "columnwise_usage": True, "set_usage": set_usage})
+
+
+def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(binding, monkeypatch):
+    """FC1 rebuilt, FC2 saved (a te.checkpoint recompute pass under FSDP2
+    with the build-once option: delayed-scaling FC1 must be rebuilt, exact
+    FC2 keeps the pass's copy). TE has one switch for both, so the seam runs
+    TE with it off and hands FC1's workspace to TE's prepare_for_saving as
+    None: backward rebuilds FC1 and reads FC2's saved copy."""
     module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD, BUILD_ONCE)
-    nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
-    nta[MLP["fc1_weight_quantizer"]] = DELAYED()  # FSDP2: fc1 rebuilds in a te.checkpoint recompute pass...
-    _in_te_checkpoint(binding, recompute=True)  # ...while fc2 (exact requantization) keeps the pass's copy
-    with pytest.raises(PolicyMismatchError, match="backward_source differs between fc1_weight"):
-        binding.seams._plan_mlp(module, tuple(nta), object(), object())
+    nta = list(_mlp_nta(_saving_quantizer("Float8CurrentScalingQuantizer"), checkpoint=False,
+                        recompute_for_bwd=False))
+    nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer")()
+    _in_te_checkpoint(binding, recompute=True)
+    made, saved = [], []
+    compat = binding.seams.te
+
+    def quantize_weight(*, tensor=None, quantizer=None, **_):
+        made.append(SimpleNamespace(source=tensor, columnwise=quantizer.columnwise_usage))
+        return made[-1], None
+
+    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, args):
+        # TE's order: quantize both weights through the module global, then save (layernorm_mlp.py:807).
+        fc1, _ = binding.seams.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
+        fc2, _ = binding.seams.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
+        saved.append(compat.lnmlp_module.prepare_for_saving(None, fc1, fc1_w, None, fc2, fc2_w))
+        _MLPFunction.seen.append(args)
+        return inp
+
+    lnmlp_module = SimpleNamespace(prepare_for_saving=lambda *tensors: list(tensors))
+    original = lnmlp_module.prepare_for_saving
+    monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
+    monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
+    monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
+    fc1_w, fc2_w = object(), object()
+    token = binding.seams.ACTIVE.set(module)
+    try:
+        binding.seams._LayerNormMLP._forward(SimpleNamespace(), "x", None, None, fc1_w, None, None, fc2_w, None,
+                                             None, tuple(nta))
+    finally:
+        binding.seams.ACTIVE.reset(token)
+    plans = {key: plan.backward_source for key, (_, plan) in module._wm_state.last_plans().items()}
+    assert plans == {"fc1_weight": BackwardSource.REQUANTIZE, "fc2_weight": BackwardSource.SAVED_WORKSPACE}
+    assert _MLPFunction.seen[-1][MLP["is_fsdp2"]] is False  # TE saves both...
+    assert saved == [[None, None, fc1_w, None, made[1], fc2_w]]  # ...but gets None for FC1's workspace
+    assert [m.source for m in made] == [fc1_w, fc2_w]
+    assert lnmlp_module.prepare_for_saving is original and module._wm_state.dropped is None  # put back, reset
 
 
 def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_default(binding):
     """The same mix by default: both weights are rebuilt in backward, as
-    TE's one switch does, so there is nothing to refuse."""
+    TE's one switch does, so the two plans agree."""
     module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
     nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
     nta[MLP["fc1_weight_quantizer"]] = DELAYED()
