@@ -48,9 +48,33 @@ class Case:
                 f"{self.recompute}/override={self.override}/input_grad={self.input_grad}/no_grad={self.no_grad}")
 
 
+#: A custom recipe whose LayerNormMLP weights differ in format: FC1's weight
+#: delayed scaling, everything else current scaling (TE's CustomRecipe with a
+#: DelayedScalingRequest, as TE's own test_custom_recipe.py mixes them).
+MIXED_FC1_DELAYED = "MixedFc1Delayed"
+
+
+def _mixed_fc1_delayed():
+    import transformer_engine_torch as tex
+    from transformer_engine.common import recipe
+    from transformer_engine.common.recipe import Format
+    from transformer_engine.pytorch.quantization import DelayedScalingRequest
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    def factory(role):
+        if role is not None and role.tensor_type == "weight" and role.name.endswith("fc1"):
+            return DelayedScalingRequest(fp8_format=Format.HYBRID)
+        fp8 = tex.DType.kFloat8E5M2 if role is not None and role.tensor_type == "grad_output" else tex.DType.kFloat8E4M3
+        return Float8CurrentScalingQuantizer(fp8, device="cuda")
+
+    return recipe.CustomRecipe(qfactory=factory)
+
+
 def make_recipe(name: str, override: str | None):
     from transformer_engine.common import recipe
 
+    if name == MIXED_FC1_DELAYED:
+        return _mixed_fc1_delayed()
     cls = getattr(recipe, name)
     return cls(backward_override=override) if override is not None else cls()
 

@@ -85,3 +85,26 @@ def test_every_call_matches_its_plan_and_stock(recipe_name, kind, quantized_init
     assert not problems, "\n".join(problems)
     if not ran:
         pytest.skip("stock TE fails every setting: " + "; ".join(stock_fails))
+
+
+def test_layernorm_mlp_whose_fc1_and_fc2_save_differently_conforms():
+    """FC1's weight under delayed scaling, FC2's under current scaling, with
+    LeanWorkspacePolicy pinned: FC1's workspace is saved (requantizing it is
+    not exact), FC2 is quantized again in backward. TE 2.20.2 has one switch
+    for both; the binding carries out each plan (docs/te-integration.md,
+    "Plans TE cannot carry out"), checked call by call and bit for bit."""
+    import te_integration as ti
+    from _conformance_run import MIXED_FC1_DELAYED, Case, run_case
+
+    from workspace_manager import BackwardSource, LeanWorkspacePolicy
+
+    reason = recipe_skip_reason("Float8CurrentScaling") or recipe_skip_reason("DelayedScaling")
+    if reason:
+        pytest.skip(reason)
+    managed = []
+    case = Case(MIXED_FC1_DELAYED, "LayerNormMLP", False, microbatches=(None,))
+    problems = run_case(case, LeanWorkspacePolicy(),
+                        prepare=lambda m: managed.append(m) if isinstance(m, ti.LayerNormMLP) else None)
+    assert not problems, "\n".join(problems)
+    sources = {key: plan.backward_source for key, (_, plan) in ti.last_plans(managed[0]).items()}
+    assert sources == {"fc1_weight": BackwardSource.SAVED_WORKSPACE, "fc2_weight": BackwardSource.REQUANTIZE}
