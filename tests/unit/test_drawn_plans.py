@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import _fake_te
 from _fake_te import TELinear, load_full_binding
-from _fake_te_mlp import TELayerNormMLP
+from _fake_te_mlp import Float8Quantizer, TELayerNormMLP
 from workspace_manager import (
     PROFILES,
     BackwardSource,
@@ -63,6 +63,8 @@ class Setting:
     kind: str = "Linear"
     #: LayerNormMLP(checkpoint=True): the module's own recompute.
     own: bool = False
+    #: LayerNormMLP with a delayed-scaling quantizer on FC1: FC1 and FC2 may save differently.
+    mixed: bool = False
 
 
 @st.composite
@@ -87,7 +89,7 @@ def mlp_settings(draw) -> Setting:
         sharding=draw(st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])),
         microbatches=draw(st.sampled_from([(None,), (True, False, False)])),
         recompute=mode == "recompute", no_grad=mode == "no_grad", override=None, input_grad=True,
-        kind="LayerNormMLP", own=mode == "own",
+        kind="LayerNormMLP", own=mode == "own", mixed=draw(st.booleans()),
     )
 
 
@@ -95,6 +97,8 @@ def _pair(ti, setting: Setting, policy: DrawnPlanPolicy):
     if setting.kind == "LayerNormMLP":
         stock, managed = (TELayerNormMLP(IN, FFN, seed=7, checkpoint=setting.own) for _ in range(2))
         kind = ti.state.ModuleKind.LAYERNORM_MLP
+        if setting.mixed:
+            stock.fc1_quantizer, managed.fc1_quantizer = Float8Quantizer(), Float8Quantizer()
     else:
         stock, managed = TELinear(IN, OUT, seed=7), TELinear(IN, OUT, seed=7)
         kind = ti.state.ModuleKind.LINEAR
@@ -306,3 +310,21 @@ def test_a_fixed_sharding_reads_what_it_was_given_and_refuses_anything_else():
     assert FixedSharding(Sharding.NONE).is_fsdp2 is False
     with pytest.raises(ContextTypeError, match="needs a Sharding"):
         FixedSharding("fsdp2_keep")
+
+
+def test_layernorm_mlp_whose_fc1_and_fc2_save_differently_conforms(ti, monkeypatch):
+    """LeanWorkspacePolicy with a delayed-scaling FC1: FC1's workspace is
+    saved (its requantization is not exact), FC2 is rebuilt in backward.
+    TE's one is_fsdp2 switch cannot say that; the binding carries out both
+    plans, call by call, with stock's numbers."""
+    from workspace_manager import LeanWorkspacePolicy
+
+    split = []
+    forward_split = ti.seams._forward_split
+    monkeypatch.setattr(ti.seams, "_forward_split", lambda *args: split.append(1) or forward_split(*args))
+    for microbatches in ((None,), (True, False, False)):
+        setting = Setting(Sharding.NONE, microbatches, recompute=False, no_grad=False, override=None,
+                          input_grad=True, kind="LayerNormMLP", mixed=True)
+        problems = _train(ti, setting, LeanWorkspacePolicy())
+        assert not problems, "\n".join(problems)
+    assert split  # the calls ran the split path
