@@ -31,9 +31,9 @@ from workspace_manager import (
 BUILD_ONCE = RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE)
 
 
-def _quantizer_class(name: str, file: str = "float8_tensor") -> type:
+def _quantizer_class(name: str, file: str = "float8_tensor", **attrs) -> type:
     # Named as TE's classes, so the registry's TE profiles describe them.
-    return type(name, (), {"__module__": f"transformer_engine.pytorch.tensor.{file}", "__qualname__": name})
+    return type(name, (), {"__module__": f"transformer_engine.pytorch.tensor.{file}", "__qualname__": name, **attrs})
 
 
 DELAYED = _quantizer_class("Float8Quantizer")
@@ -248,8 +248,7 @@ def _saving_quantizer(name: str) -> type:
         self.rowwise_usage = self.rowwise_usage if rowwise is None else rowwise
         self.columnwise_usage = self.columnwise_usage if columnwise is None else columnwise
 
-    return type(name, (), {"__module__": "transformer_engine.pytorch.tensor.float8_tensor", "__qualname__": name,
-                           "rowwise_usage": True, "columnwise_usage": True, "set_usage": set_usage})
+    return _quantizer_class(name, rowwise_usage=True, columnwise_usage=True, set_usage=set_usage)
 
 
 def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(binding, monkeypatch):
