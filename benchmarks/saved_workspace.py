@@ -35,11 +35,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from . import _saved_tensors
 from ._stack import seams_for
 
 MIB = 2**20
@@ -175,6 +176,30 @@ def _turns(models: dict, stack: Stack, recipe, warmup: int, timed: int, times: d
     return times
 
 
+def first_layer_saved(model, stack: Stack, recipe) -> _saved_tensors.Table:
+    """What the first layer keeps for backward in one step, tensor by tensor.
+    A TransformerLayer stack runs at batch 1 here, so that no activation has
+    a weight's shape (seq x batch tokens equal the hidden size in the 2048
+    stack)."""
+    small = replace(stack, batch=1) if stack.layer == "transformer" else stack
+    x = inputs(small, 0)
+    try:
+        return _saved_tensors.record_saved(model[0], lambda: forward_backward(model, x, recipe))
+    finally:
+        _drop_grads(model)
+
+
+def breakdown(models: dict, stack: Stack, recipe) -> dict:
+    """{variant: first layer's table}, or {"error": ...}: the breakdown explains
+    the memory figures and must not cost them."""
+    try:
+        return {label: first_layer_saved(models[label], stack, recipe)
+                for label in (("stock",) if recipe is None else ("stock", "dropin", "lean"))}
+    except Exception as err:  # noqa: BLE001  (reported in the summary)
+        print(f"breakdown not measured for {stack.name}: {type(err).__name__}: {err}", flush=True)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def measure(stack: Stack, recipe_name: str | None, args: argparse.Namespace) -> dict:
     from transformer_engine.common import recipe as recipes
 
@@ -183,13 +208,15 @@ def measure(stack: Stack, recipe_name: str | None, args: argparse.Namespace) -> 
     try:
         params = sum(p.numel() for p in models["stock"].parameters())
         memory, same = compare_steps(models, stack, recipe, args.steps)
+        saved = breakdown(models, stack, recipe)
         times = timed_steps(models, stack, recipe, args.warmup, args.timed)
     finally:
         del models
         gc.collect()
         torch.cuda.empty_cache()
     row = {"stack": stack.name, "recipe": recipe_name or "bf16", "params": params, "identical": same["dropin"],
-           "lean_identical": same["lean"], "control_identical": same["stock_again"], "step_times_s": times}
+           "lean_identical": same["lean"], "control_identical": same["stock_again"], "step_times_s": times,
+           "first_layer_saved": saved}
     for label in VARIANTS:
         row[f"{label}_held_mib"] = memory[label]["held"] / MIB
         row[f"{label}_peak_mib"] = memory[label]["peak"] / MIB
@@ -229,6 +256,30 @@ def lean_sentence(row: dict, bf16: dict | None) -> str:
     return f"{where}: {'LESS' if less else 'NOT less'} than bf16{unsafe}: {held}; {cost}."
 
 
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """Where the lean model's first layer keeps more than bf16 training's,
+    and how Block scaling's differs from current scaling's, tensor by tensor."""
+    found = {(r["stack"], r["recipe"]): r["first_layer_saved"] for r in rows if "first_layer_saved" in r}
+    if not found:
+        return []
+    lines = ["", "What the first layer keeps for backward in one step, from a saved-tensor hook (the TransformerLayer "
+             "stacks at batch 1; parameters left out):"]
+    lines += [f"{stack} {recipe}: not measured, {tables['error']}" for (stack, recipe), tables in found.items()
+              if "error" in tables]
+    saved = {key: tables for key, tables in found.items() if "error" not in tables}
+    for (stack, recipe), tables in saved.items():
+        base = saved.get((stack, "bf16"))
+        if recipe != "bf16" and base is not None:
+            lines += [f"{stack} {recipe}, " + line if i == 0 else line for i, line in
+                      enumerate(_saved_tensors.describe("lean", tables["lean"], "bf16", base["stock"], limit=6))]
+    for stack in dict.fromkeys(r["stack"] for r in rows):
+        block, current = saved.get((stack, "Float8BlockScaling")), saved.get((stack, "Float8CurrentScaling"))
+        for label in ("stock", "lean") if block and current else ():
+            lines += [f"{stack}, " + line if i == 0 else line for i, line in enumerate(_saved_tensors.describe(
+                f"Block scaling {label}", block[label], f"current scaling {label}", current[label], limit=8))]
+    return lines
+
+
 def summary(rows: list[dict]) -> str:
     lines = [f"{'stack':16} {'recipe':20} {'held stock':>10} {'held ours':>9} {'held lean':>9} {'peak stock':>10} "
              f"{'peak ours':>9} {'peak lean':>9} {'ms stock':>8} {'ms ours':>8} {'ms lean':>8} {'ms ctrl':>8} "
@@ -243,7 +294,7 @@ def summary(rows: list[dict]) -> str:
                      f"{verdict(r)}")
     baselines = {r["stack"]: r for r in rows if r["recipe"] == "bf16"}
     sentences = [lean_sentence(r, baselines.get(r["stack"])) for r in rows if r["recipe"] != "bf16"]
-    return "\n".join(lines + ([""] + sentences if sentences else []))
+    return "\n".join(lines + ([""] + sentences if sentences else []) + breakdown_lines(rows))
 
 
 def parser() -> argparse.ArgumentParser:

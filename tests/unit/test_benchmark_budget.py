@@ -152,3 +152,68 @@ def test_saved_workspace_target_is_one_byte_per_parameter_less_than_stock():
     assert sw.verdict(met) == "met"  # 8 Mi parameters: 8 MiB less is enough
     missed = _row("linear", "Float8CurrentScaling", {"stock": 320.0, "dropin": 313.0})
     assert sw.verdict(missed).startswith("MISSED (target: 8 MiB less)")
+
+
+def test_the_saved_tensor_recorder_counts_each_saved_storage_once_under_its_module_and_skips_parameters():
+    import torch
+
+    from benchmarks import _saved_tensors as st
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Sigmoid())
+    model = torch.nn.Sequential(layer, torch.nn.Linear(16, 4, bias=False))
+    x = torch.randn(5, 8, requires_grad=True)
+    table = st.record_saved(layer, lambda: model(x).sum().backward())
+    # Linear saves its input (the weight is a parameter); Sigmoid saves its output.
+    # The second Linear is outside ``layer``, so its saved input is not counted.
+    assert table == {"0": {"float32 (5, 8)": 5 * 8 * 4}, "1": {"float32 (5, 16)": 5 * 16 * 4}}
+    assert st.total(table) == (5 * 8 + 5 * 16) * 4
+    assert all(not h for h in (layer[0]._forward_pre_hooks, layer[0]._forward_hooks))  # hooks removed
+
+
+def test_the_saved_tensor_difference_says_where_one_table_keeps_more():
+    from benchmarks import _saved_tensors as st
+
+    mib = 2**20
+    block = {"mlp": {"uint8 (1024, 8192)": 8 * mib, "uint8 (8192, 1024)": 8 * mib, "float32 (8, 1024)": mib // 4},
+             "qkv": {"uint8 (1024, 2048)": 2 * mib}}
+    current = {"mlp": {"uint8 (8192, 1024)": 8 * mib}, "qkv": {"uint8 (1024, 2048)": 2 * mib}}
+    assert st.difference(block, current) == [("mlp", "uint8 (1024, 8192)", 8 * mib),
+                                             ("mlp", "float32 (8, 1024)", mib // 4)]
+    lines = st.describe("block", block, "current", current, limit=1)
+    assert lines == ["block keeps 18.25 MiB, current 10.00 MiB (difference +8.25 MiB):",
+                     "     +8.00 MiB  mlp: uint8 (1024, 8192)", "     +0.25 MiB  in 1 more entries"]
+
+
+def test_the_saved_workspace_summary_breaks_down_lean_against_bf16_and_block_against_current():
+    from benchmarks import saved_workspace as sw
+
+    mib = 2**20
+    act = {"mlp": {"bfloat16 (1024, 8192)": 16 * mib}}
+    rows = [_row("transformer", "bf16", {"stock": 1025.0}),
+            _row("transformer", "Float8CurrentScaling", {"stock": 1665.0, "dropin": 1281.0, "lean": 897.0}),
+            _row("transformer", "Float8BlockScaling", {"stock": 1805.0, "dropin": 1421.0, "lean": 1037.0})]
+    rows[0]["first_layer_saved"] = {"stock": act}
+    rows[1]["first_layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib}} for k in ("stock", "dropin", "lean")}
+    rows[2]["first_layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib, "uint8 (8192, 1024)": 8 * mib}}
+                                    for k in ("stock", "dropin", "lean")}
+    text = sw.summary(rows)
+    assert "transformer Float8CurrentScaling, lean keeps 8.00 MiB, bf16 16.00 MiB (difference -8.00 MiB):" in text
+    assert "transformer, Block scaling lean keeps 16.00 MiB, current scaling lean 8.00 MiB (difference +8.00 MiB):" \
+        in text
+    assert "     +8.00 MiB  mlp: uint8 (8192, 1024)" in text
+    assert "first_layer_saved" not in sw.summary([_row("linear", "bf16", {"stock": 1.0})])
+
+
+def test_a_failed_breakdown_is_reported_and_keeps_the_memory_figures(capsys):
+    from benchmarks import saved_workspace as sw
+
+    class Broken(dict):
+        def __getitem__(self, key):
+            raise RuntimeError("no layer here")
+
+    assert sw.breakdown(Broken(stock=None), sw.STACKS["transformer"], None) == {"error": "RuntimeError: no layer here"}
+    assert "breakdown not measured for transformer: RuntimeError" in capsys.readouterr().out
+    row = _row("transformer", "bf16", {"stock": 1025.0})
+    row["first_layer_saved"] = {"error": "RuntimeError: no layer here"}
+    assert "transformer bf16: not measured, RuntimeError: no layer here" in sw.summary([row])
