@@ -24,7 +24,10 @@ step by step (forward and backward between two synchronizations; no
 optimizer): the median per model. Target: the drop-in holds, at the end of
 forward and at peak, at least 1 byte per parameter less than stock (D11).
 The lean model has no target; the summary says plainly whether it holds
-less than bf16 and what it costs in step time.
+less than bf16 and what it costs in step time. It ends with a breakdown of
+what the second layer keeps for backward, tensor by tensor, from a
+saved-tensor hook: the lean model against bf16, and Block against current
+scaling (``_saved_tensors``).
 """
 
 from __future__ import annotations
@@ -176,24 +179,25 @@ def _turns(models: dict, stack: Stack, recipe, warmup: int, timed: int, times: d
     return times
 
 
-def first_layer_saved(model, stack: Stack, recipe) -> _saved_tensors.Table:
-    """What the first layer keeps for backward in one step, tensor by tensor.
-    A TransformerLayer stack runs at batch 1 here, so that no activation has
-    a weight's shape (seq x batch tokens equal the hidden size in the 2048
-    stack)."""
+def layer_saved(model, stack: Stack, recipe) -> _saved_tensors.Table:
+    """What the second layer keeps for backward in one step, tensor by
+    tensor: the first one's input needs no gradient, so a Linear there
+    computes no dgrad and keeps less than the others. A TransformerLayer
+    stack runs at batch 1 here, so that no activation has a weight's shape
+    (seq x batch tokens equal the hidden size in the 2048 stack)."""
     small = replace(stack, batch=1) if stack.layer == "transformer" else stack
     x = inputs(small, 0)
     try:
-        return _saved_tensors.record_saved(model[0], lambda: forward_backward(model, x, recipe))
+        return _saved_tensors.record_saved(model[1], lambda: forward_backward(model, x, recipe))
     finally:
         _drop_grads(model)
 
 
 def breakdown(models: dict, stack: Stack, recipe) -> dict:
-    """{variant: first layer's table}, or {"error": ...}: the breakdown explains
+    """{variant: the second layer's table}, or {"error": ...}: the breakdown explains
     the memory figures and must not cost them."""
     try:
-        return {label: first_layer_saved(models[label], stack, recipe)
+        return {label: layer_saved(models[label], stack, recipe)
                 for label in (("stock",) if recipe is None else ("stock", "dropin", "lean"))}
     except Exception as err:  # noqa: BLE001  (reported in the summary)
         print(f"breakdown not measured for {stack.name}: {type(err).__name__}: {err}", flush=True)
@@ -216,7 +220,7 @@ def measure(stack: Stack, recipe_name: str | None, args: argparse.Namespace) -> 
         torch.cuda.empty_cache()
     row = {"stack": stack.name, "recipe": recipe_name or "bf16", "params": params, "identical": same["dropin"],
            "lean_identical": same["lean"], "control_identical": same["stock_again"], "step_times_s": times,
-           "first_layer_saved": saved}
+           "layer_saved": saved}
     for label in VARIANTS:
         row[f"{label}_held_mib"] = memory[label]["held"] / MIB
         row[f"{label}_peak_mib"] = memory[label]["peak"] / MIB
@@ -257,12 +261,12 @@ def lean_sentence(row: dict, bf16: dict | None) -> str:
 
 
 def breakdown_lines(rows: list[dict]) -> list[str]:
-    """Where the lean model's first layer keeps more than bf16 training's,
+    """Where the lean model's second layer keeps more than bf16 training's,
     and how Block scaling's differs from current scaling's, tensor by tensor."""
-    found = {(r["stack"], r["recipe"]): r["first_layer_saved"] for r in rows if "first_layer_saved" in r}
+    found = {(r["stack"], r["recipe"]): r["layer_saved"] for r in rows if "layer_saved" in r}
     if not found:
         return []
-    lines = ["", "What the first layer keeps for backward in one step, from a saved-tensor hook (the TransformerLayer "
+    lines = ["", "What the second layer keeps for backward in one step, from a saved-tensor hook (the TransformerLayer "
              "stacks at batch 1; parameters left out):"]
     lines += [f"{stack} {recipe}: not measured, {tables['error']}" for (stack, recipe), tables in found.items()
               if "error" in tables]

@@ -193,16 +193,16 @@ def test_the_saved_workspace_summary_breaks_down_lean_against_bf16_and_block_aga
     rows = [_row("transformer", "bf16", {"stock": 1025.0}),
             _row("transformer", "Float8CurrentScaling", {"stock": 1665.0, "dropin": 1281.0, "lean": 897.0}),
             _row("transformer", "Float8BlockScaling", {"stock": 1805.0, "dropin": 1421.0, "lean": 1037.0})]
-    rows[0]["first_layer_saved"] = {"stock": act}
-    rows[1]["first_layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib}} for k in ("stock", "dropin", "lean")}
-    rows[2]["first_layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib, "uint8 (8192, 1024)": 8 * mib}}
+    rows[0]["layer_saved"] = {"stock": act}
+    rows[1]["layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib}} for k in ("stock", "dropin", "lean")}
+    rows[2]["layer_saved"] = {k: {"mlp": {"uint8 (1024, 8192)": 8 * mib, "uint8 (8192, 1024)": 8 * mib}}
                                     for k in ("stock", "dropin", "lean")}
     text = sw.summary(rows)
     assert "transformer Float8CurrentScaling, lean keeps 8.00 MiB, bf16 16.00 MiB (difference -8.00 MiB):" in text
     assert "transformer, Block scaling lean keeps 16.00 MiB, current scaling lean 8.00 MiB (difference +8.00 MiB):" \
         in text
     assert "     +8.00 MiB  mlp: uint8 (8192, 1024)" in text
-    assert "first_layer_saved" not in sw.summary([_row("linear", "bf16", {"stock": 1.0})])
+    assert "What the second layer keeps" not in sw.summary([_row("linear", "bf16", {"stock": 1.0})])
 
 
 def test_a_failed_breakdown_is_reported_and_keeps_the_memory_figures(capsys):
@@ -215,5 +215,5 @@ def test_a_failed_breakdown_is_reported_and_keeps_the_memory_figures(capsys):
     assert sw.breakdown(Broken(stock=None), sw.STACKS["transformer"], None) == {"error": "RuntimeError: no layer here"}
     assert "breakdown not measured for transformer: RuntimeError" in capsys.readouterr().out
     row = _row("transformer", "bf16", {"stock": 1025.0})
-    row["first_layer_saved"] = {"error": "RuntimeError: no layer here"}
+    row["layer_saved"] = {"error": "RuntimeError: no layer here"}
     assert "transformer bf16: not measured, RuntimeError: no layer here" in sw.summary([row])
