@@ -63,6 +63,10 @@ ACTIVE = _Active()
 
 _LEDGER = _attribution.LEDGER
 _INSTALL_LOCK = threading.Lock()
+#: Held by a LayerNormMLP call whose FC1 and FC2 save differently while it swaps
+#: ``prepare_for_saving`` (:func:`_forward_split`); reentrant, as a lock taken in a
+#: forward must not deadlock a nested call on the same thread.
+_SPLIT_LOCK = threading.RLock()
 #: Whether install() ran (read by the drop-ins before each call).
 INSTALLED = False
 
@@ -439,20 +443,22 @@ def _forward_split(state: ModuleWorkspaceState, args: tuple):
     in that place, TE's own signal to quantize the weight again
     (``if fc1_weight is None``). The module's own recompute pass returns its
     tensors instead (:func:`_rebuild_in_backward`). The name is swapped in
-    ``layernorm_mlp.py``'s globals for this call only; a concurrent call of
-    another module is unaffected, as the swap replaces only this call's
-    workspaces."""
+    ``layernorm_mlp.py``'s globals for this call only. Another module's call
+    on another thread meanwhile passes through the swap unchanged (it
+    replaces only this call's workspaces); another such split call waits
+    for this one, so that neither puts TE's name back under the other."""
     dropped = state.dropped = []
-    original = te.lnmlp_module.prepare_for_saving
+    with _SPLIT_LOCK:
+        original = te.lnmlp_module.prepare_for_saving
 
-    def prepare_for_saving(*tensors):
-        return original(*[None if any(t is d for d in dropped) else t for t in tensors])
+        def prepare_for_saving(*tensors):
+            return original(*[None if any(t is d for d in dropped) else t for t in tensors])
 
-    te.lnmlp_module.prepare_for_saving = prepare_for_saving
-    try:
-        return te.LNMLPFunction._forward(*args)
-    finally:
-        te.lnmlp_module.prepare_for_saving = original
+        te.lnmlp_module.prepare_for_saving = prepare_for_saving
+        try:
+            return te.LNMLPFunction._forward(*args)
+        finally:
+            te.lnmlp_module.prepare_for_saving = original
 
 
 def _rebuild_in_backward(recomputed: tuple, weights: tuple) -> tuple:

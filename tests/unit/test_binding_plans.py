@@ -297,6 +297,61 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     assert lnmlp_module.prepare_for_saving is original and module._wm_state.dropped is None  # put back, reset
 
 
+def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_own_rebuilt_weight(binding,
+                                                                                                 monkeypatch):
+    """The swapped ``prepare_for_saving`` is one module global. A second
+    thread's split call that swapped while the first's was in flight would
+    find TE's own name put back under it by the first, and save the
+    workspace its plan rebuilds. The second call waits for the first."""
+    import threading
+
+    from workspace_manager import LeanWorkspacePolicy
+
+    compat = binding.seams.te
+    lnmlp_module = SimpleNamespace(prepare_for_saving=lambda *tensors: list(tensors))
+    original = lnmlp_module.prepare_for_saving
+    first_done, saved, blocked, threads = threading.Event(), {}, [], []
+
+    def quantize_weight(*, tensor=None, quantizer=None, **_):
+        return SimpleNamespace(source=tensor), None
+
+    def call(name: str) -> None:
+        module = _module(binding, "lnmlp", Sharding.NONE, LeanWorkspacePolicy())  # FC1 saved, FC2 rebuilt
+        nta = list(_mlp_nta(_saving_quantizer("Float8CurrentScalingQuantizer"), checkpoint=False,
+                            recompute_for_bwd=False))
+        nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer")()
+        token = binding.seams.ACTIVE.set(module)
+        try:
+            binding.seams._LayerNormMLP._forward(SimpleNamespace(), name, None, None, f"{name} fc1", None, None,
+                                                 f"{name} fc2", None, None, tuple(nta))
+        finally:
+            binding.seams.ACTIVE.reset(token)
+
+    def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, args):
+        fc1, _ = binding.seams.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
+        fc2, _ = binding.seams.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
+        if inp == "first":
+            second = threading.Thread(target=call, args=("second",))
+            threads.append(second)
+            second.start()
+            second.join(0.3)
+            blocked.append(second.is_alive())
+        else:
+            first_done.wait(5)  # without the wait for the first call, that call ends here
+        saved[inp] = [getattr(t, "source", t) for t in compat.lnmlp_module.prepare_for_saving(fc1, fc2)]
+        return inp
+
+    monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
+    monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
+    monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
+    call("first")
+    first_done.set()
+    threads[0].join(5)
+    assert blocked == [True] and not threads[0].is_alive()
+    assert saved == {"first": ["first fc1", None], "second": ["second fc1", None]}
+    assert lnmlp_module.prepare_for_saving is original
+
+
 def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_default(binding):
     """The same mix by default: both weights are rebuilt in backward, as
     TE's one switch does, so the two plans agree."""
