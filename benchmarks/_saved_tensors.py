@@ -80,10 +80,11 @@ def difference(a: Table, b: Table) -> list[tuple[str, str, int]]:
     return sorted(out, key=lambda row: -abs(row[2]))
 
 
-def describe(a_name: str, a: Table, b_name: str, b: Table, limit: int = 12) -> list[str]:
-    """Lines saying how much more ``a`` keeps than ``b`` and where."""
+def describe(a_name: str, a: Table, b_name: str, b: Table, limit: int = 12, heading: str = "") -> list[str]:
+    """Lines saying how much more ``a`` keeps than ``b`` and where; the
+    first starts with ``heading``."""
     mib = 2**20
-    lines = [f"{a_name} keeps {total(a) / mib:.2f} MiB, {b_name} {total(b) / mib:.2f} MiB "
+    lines = [f"{heading}{a_name} keeps {total(a) / mib:.2f} MiB, {b_name} {total(b) / mib:.2f} MiB "
              f"(difference {(total(a) - total(b)) / mib:+.2f} MiB):"]
     rows = difference(a, b)
     lines += [f"  {delta / mib:+8.2f} MiB  {module}: {key}" for module, key, delta in rows[:limit]]

@@ -274,13 +274,13 @@ def breakdown_lines(rows: list[dict]) -> list[str]:
     for (stack, recipe), tables in saved.items():
         base = saved.get((stack, "bf16"))
         if recipe != "bf16" and base is not None:
-            lines += [f"{stack} {recipe}, " + line if i == 0 else line for i, line in
-                      enumerate(_saved_tensors.describe("lean", tables["lean"], "bf16", base["stock"], limit=6))]
+            lines += _saved_tensors.describe("lean", tables["lean"], "bf16", base["stock"], limit=6,
+                                             heading=f"{stack} {recipe}, ")
     for stack in dict.fromkeys(r["stack"] for r in rows):
         block, current = saved.get((stack, "Float8BlockScaling")), saved.get((stack, "Float8CurrentScaling"))
         for label in ("stock", "lean") if block and current else ():
-            lines += [f"{stack}, " + line if i == 0 else line for i, line in enumerate(_saved_tensors.describe(
-                f"Block scaling {label}", block[label], f"current scaling {label}", current[label], limit=8))]
+            lines += _saved_tensors.describe(f"Block scaling {label}", block[label], f"current scaling {label}",
+                                             current[label], limit=8, heading=f"{stack}, ")
     return lines
 
 
