@@ -17,18 +17,19 @@ from ._modules import (
     Linear,
     convert_model,
     last_plans,
-    managed_construction,
     set_workspace_policy,
     workspace_state,
 )
-from ._state import Levers, ModuleWorkspaceState
-from ._foreign import ForeignPatchError
+from ._construction import managed_construction
+from ._levers import Levers
+from ._state import ModuleWorkspaceState
+from ._foreign_patches import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
-from ._steps import release_step_caches
+from ._step_hook import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
-from ._support import recompute_mismatch_reason, unsupported_reason
-from ._seams import install as install_seams
-from ._seams import uninstall as uninstall_seams
+from ._plan_support import recompute_mismatch_reason, unsupported_reason
+from ._install import install as install_seams
+from ._install import uninstall as uninstall_seams
 
 __all__ = [
     "Linear",

@@ -33,8 +33,8 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-from ._steps import add_step_task, ensure_hook
-from ._args import expect_bool, expect_module
+from ._step_hook import add_step_task, ensure_hook
+from ._argument_checks import expect_bool, expect_module
 
 __all__ = ["workspace_report", "record_workspaces", "WorkspaceRecording"]
 

@@ -31,7 +31,7 @@ import torch
 
 from workspace_manager import KeepForBackwardWorkspacePolicy, PolicyMismatchError
 
-from . import _args
+from . import _argument_checks as checks
 from . import _compat as te
 from ._modules import _ManagedModule, set_workspace_policy, workspace_state
 from ._state import ModuleKind
@@ -137,7 +137,7 @@ def apply_workspace_budget(model: torch.nn.Module, budget_bytes: int) -> Workspa
     shards none of them (called before ``fully_shard``). A refused call
     changes nothing.
     """
-    _args.expect_module(_FUNC, "model", model)
+    checks.expect_module(_FUNC, "model", model)
     _check_budget(budget_bytes)
     candidates = _survey(model)
     entries = _spend(candidates, int(budget_bytes))

@@ -82,7 +82,7 @@ _LIN, _LNL, _MLP, _BASE = (f"{_PT}.module.linear", f"{_PT}.module.layernorm_line
                            f"{_PT}.module.base")
 
 #: Every piece of TE the binding relies on. The seamed names (what
-#: ``_seams.install`` replaces) are ``quantize_weight``, ``_Linear``,
+#: ``_install.install`` replaces) are ``quantize_weight``, ``_Linear``,
 #: ``_LayerNormLinear`` and ``_LayerNormMLP`` in the three module files.
 SEAMS: tuple[Seam, ...] = (
     Seam(_PT, export="tep"),

@@ -2,28 +2,28 @@
 
 The three classes are TE's own, with one mixin in front. The mixin holds no
 workspace logic and does not wrap ``forward``: TE's own ``forward`` runs,
-and the mixin only marks the module active between TE's ``prepare_forward``
-and ``end_forward``, where the seams plan each weight through the policy
-(see ``_seams.py``). The classes add no parameters, buffers, submodules or
-``fp8_meta`` entries, so ``state_dict`` and ``extra_state`` are exactly TE's
-and checkpoints move both ways between stock and drop-in modules.
+and the mixin only opens the call's record between TE's ``prepare_forward``
+and ``end_forward`` (``_call``), where the seams plan each weight through
+the policy (``_functions``, ``_adapters``). The classes add no parameters,
+buffers, submodules or ``fp8_meta`` entries, so ``state_dict`` and
+``extra_state`` are exactly TE's and checkpoints move both ways between
+stock and drop-in modules.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from workspace_manager import PolicyMismatchError, WorkspacePolicy
 
-from . import _args
+from . import _argument_checks as checks
 from . import _compat as te
-from . import _seams
-from ._seams import ACTIVE, install
+from . import _install
+from ._adapters import ADAPTERS
+from ._call import ACTIVE, CallRecord, refuse_reentry
 from ._shards import trim_sharded_parameters
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
@@ -32,14 +32,13 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "convert_model",
-    "managed_construction",
     "set_workspace_policy",
     "last_plans",
     "workspace_state",
 ]
 
 
-class _FreshIsFsdp2:
+class _FSDP2Flag:
     """TE's ``is_fsdp2`` flag on a drop-in, answered from FSDP2's state for
     this module: it follows ``fully_shard`` and ``set_reshard_after_forward``,
     and a composable parent that is not FSDP2 does not crash it.
@@ -59,11 +58,12 @@ class _ManagedModule:
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class.
 
-    Between TE's ``prepare_forward`` and ``end_forward`` the state holds the
-    call's sharding and the module ACTIVE named before, and the instance dict
-    holds ``is_fsdp2`` (see :class:`_FreshIsFsdp2`: TE reads the attribute, so
-    it must be found there without running Python). Every managed call runs
-    these two methods, so they avoid Python calls of their own."""
+    ``prepare_forward`` pushes the call's :class:`~te_integration._call.CallRecord`
+    once TE's returned, and puts TE's ``is_fsdp2`` in the instance dict (see
+    :class:`_FSDP2Flag`: TE reads the attribute, so it must be found there
+    without running Python); ``end_forward``, which TE calls in a ``finally``,
+    takes both back. Every managed call runs these two methods, so they
+    avoid Python calls of their own."""
 
     _wm_kind: ClassVar[ModuleKind]
     #: The module's state; the class default None means "not made yet".
@@ -71,13 +71,13 @@ class _ManagedModule:
     #: Whether this module's first managed call has run ``install`` (its
     #: state may exist before: TE's constructor calls ``reset_parameters``).
     _wm_installed: bool = False
-    is_fsdp2 = _FreshIsFsdp2()
+    is_fsdp2 = _FSDP2Flag()
 
     def prepare_forward(self, inp: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             # Inside a torch.compile trace TE's compiled path runs (Linear); it stays stock.
             return super().prepare_forward(inp, *args, **kwargs)
-        if not self._wm_installed or not _seams.INSTALLED:
+        if not self._wm_installed or not _install.INSTALLED:
             self._first_managed_call()
         state = self._wm_state
         probe = state.sharding_probe
@@ -85,12 +85,18 @@ class _ManagedModule:
         if sharding is None:  # first call, or FSDP2 states were added or removed since
             probe = state.probe(self)
             sharding = probe.read()
+        below = ACTIVE.record
+        if below is not None:
+            refuse_reentry(self)
         inp = super().prepare_forward(inp, *args, **kwargs)
-        # Marked only once TE's prepare_forward returned: end_forward follows for sure.
-        state.call_sharding = sharding
-        state.previous_active = ACTIVE.module
+        # Pushed only once TE's prepare_forward returned: end_forward follows for sure.
+        record = CallRecord()
+        record.module, record.state, record.kind, record.sharding, record.previous = self, state, state.kind, \
+            sharding, below
+        record.weights, record.pending, record.rowwise_parts, record.dropped = (), None, None, None
+        record.pushed_by_seam = False
         self.__dict__["is_fsdp2"] = probe.is_fsdp2
-        ACTIVE.module = self
+        ACTIVE.record = record
         return inp
 
     def _first_managed_call(self) -> None:
@@ -98,15 +104,14 @@ class _ManagedModule:
         foreign patches made since, and install the seams; before TE's
         prepare_forward, whose NVTX range and recompute metadata only
         end_forward undoes, so a refusal leaves them alone."""
-        install()
+        _install.install()
         state_of(self)
         self.__dict__["_wm_installed"] = True
 
     def end_forward(self) -> None:
-        state = self._wm_state
-        if state is not None and state.call_sharding is not None:  # marked by prepare_forward
-            ACTIVE.module = state.previous_active
-            state.call_sharding = state.previous_active = None
+        record = ACTIVE.record
+        if record is not None and record.module is self:  # pushed by prepare_forward
+            ACTIVE.record = record.previous
             del self.__dict__["is_fsdp2"]
         super().end_forward()
 
@@ -150,10 +155,15 @@ class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
     _wm_kind = ModuleKind.LAYERNORM_MLP
 
 
-_DROP_INS: dict[type, type] = {te.TELinear: Linear, te.TELayerNormLinear: LayerNormLinear,
-                               te.TELayerNormMLP: LayerNormMLP}
+#: TE's class -> its drop-in, for every module kind's adapter.
+_DROP_INS: dict[type, type] = {
+    adapter.te_class: drop_in for adapter in ADAPTERS for drop_in in (Linear, LayerNormLinear, LayerNormMLP)
+    if drop_in._wm_kind is adapter.kind
+}
+if len(_DROP_INS) != len(ADAPTERS):
+    raise ImportError("te_integration: a module kind's adapter has no drop-in class")
 _CONVERTED: dict[type, type] = {}
-_TE_CLASSES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP)
+_TE_CLASSES = tuple(_DROP_INS)
 
 
 def _managed_class_for(cls: type) -> type | None:
@@ -190,9 +200,9 @@ def convert_model(
     argument and module is checked (and ``module_filter`` asked) before any
     class changes, so a refused call leaves the model as it was.
     """
-    _args.expect_module("convert_model", "model", model)
-    _args.expect_callable("convert_model", "module_filter", module_filter)
-    _args.expect_policy("convert_model", policy)
+    checks.expect_module("convert_model", "model", model)
+    checks.expect_callable("convert_model", "module_filter", module_filter)
+    checks.expect_policy("convert_model", policy)
     for module, target in _conversions(model, module_filter):
         if target is not None:
             module.__class__ = target
@@ -231,13 +241,13 @@ def set_workspace_policy(module: torch.nn.Module, policy: WorkspacePolicy | None
     """Pin ``policy`` on a drop-in module (None: back to per-call selection).
     A pinned policy that does not cover a call fails at that call's forward
     with :class:`PolicyMismatchError`."""
-    _args.expect_module("set_workspace_policy", "module", module)
+    checks.expect_module("set_workspace_policy", "module", module)
     if not isinstance(module, _ManagedModule):
         raise TypeError(
             f"set_workspace_policy: module must be a te_integration drop-in module; {type(module).__name__} "
             "is not one. Convert it first: te_integration.convert_model(model, policy=...)."
         )
-    _args.expect_policy("set_workspace_policy", policy)
+    checks.expect_policy("set_workspace_policy", policy)
     module.workspace_policy = policy
 
 
@@ -245,7 +255,7 @@ def last_plans(module: torch.nn.Module) -> dict:
     """``{weight key: (context, plan)}`` of the module's latest managed call,
     for reviewers asking why a workspace is alive. A stock TE module, or a
     drop-in that has not run a managed call, has none: ``{}``."""
-    _args.expect_te_module("last_plans", "module", module, _TE_CLASSES,
+    checks.expect_te_module("last_plans", "module", module, _TE_CLASSES,
                            "For a whole model: {name: last_plans(m) for name, m in model.named_modules() ...}.")
     state = module._wm_state if isinstance(module, _ManagedModule) else None
     return state.last_plans() if state is not None else {}
@@ -260,71 +270,3 @@ def workspace_state(module: torch.nn.Module) -> ModuleWorkspaceState:
             "Convert it first with te_integration.convert_model."
         )
     return state_of(module)
-
-
-class _Construction:
-    """The one active :func:`managed_construction`: its thread, nesting
-    depth and TE's names to restore. Guarded by ``_CONSTRUCTION_LOCK``."""
-
-    owner: int | None = None
-    owner_name = ""
-    depth = 0
-    saved: list = []
-
-
-_CONSTRUCTION_LOCK = threading.Lock()
-
-
-def _construction_targets() -> list[tuple[Any, str, type]]:
-    return [(te.mha_module, "Linear", Linear), (te.mha_module, "LayerNormLinear", LayerNormLinear),
-            (te.transformer_module, "LayerNormMLP", LayerNormMLP)]
-
-
-def _enter_construction() -> None:
-    me = threading.current_thread()
-    with _CONSTRUCTION_LOCK:
-        if _Construction.owner is None:
-            targets = _construction_targets()
-            _Construction.saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
-            for mod, name, cls in targets:
-                setattr(mod, name, cls)
-            _Construction.owner, _Construction.owner_name = me.ident, me.name
-        elif _Construction.owner != me.ident:
-            raise RuntimeError(
-                f"managed_construction() is already active in thread {_Construction.owner_name!r}; thread "
-                f"{me.name!r} cannot enter it too, because the block rebinds names of TE's modules for the whole "
-                "process. Construct in one thread at a time, or build stock TE modules and call "
-                "convert_model() on them (it changes nothing global)."
-            )
-        _Construction.depth += 1
-
-
-def _exit_construction() -> None:
-    with _CONSTRUCTION_LOCK:
-        _Construction.depth -= 1
-        if _Construction.depth:
-            return
-        for mod, name, original in _Construction.saved:
-            setattr(mod, name, original)
-        _Construction.owner, _Construction.saved = None, []
-
-
-@contextlib.contextmanager
-def managed_construction() -> Iterator[None]:
-    """Within the block, ``te.TransformerLayer`` and ``te.MultiheadAttention``
-    build their Linear, LayerNormLinear and LayerNormMLP as drop-ins.
-
-    It rebinds the names those modules resolve at construction, and restores
-    them when the outermost block exits, also after an exception. The
-    rebinding is process-wide, so one thread at a time may hold the block:
-    a second thread entering it meanwhile gets a RuntimeError naming the
-    holder, and changes nothing. The same thread may nest blocks; the names
-    stay rebound until its outermost block exits. Other threads that
-    construct TE modules while the block is held get drop-ins too;
-    :func:`convert_model` has no such side effect.
-    """
-    _enter_construction()
-    try:
-        yield
-    finally:
-        _exit_construction()

@@ -1,38 +1,37 @@
 """The one typed object a drop-in module keeps: its workspace state.
 
-Everything the binding remembers about a module lives in its
+Everything the binding remembers about a module across calls lives in its
 :class:`ModuleWorkspaceState`: the pinned policy, the probe that reads the
 module's FSDP2 sharding, the memo of TE levers per call shape, the plans of
-the latest call, and the workspaces a call is filling. The module holds it
-as ``_wm_state``; nothing else of ours is stored on the module.
+the latest call, what it knows of the cache entries it filled, and its
+rebuild quantizers. The module holds it as ``_wm_state``; nothing else of
+ours is stored on the module, and nothing of one call (that is the
+:class:`~te_integration._call.CallRecord`).
 
 Why a memo of levers: a training step repeats a handful of call shapes.
-The first call of each shape builds a :class:`WorkspaceContext`, asks the
-policy and turns the plan into :class:`Levers`, the few values TE's code
-reads; every later call of that shape is one dictionary lookup. The plan
-stays reachable from its levers, for :func:`last_plans`, ``explain`` and
-attribution. Sound because policies are frozen and pure, and the key holds
-everything a context is built from (``default_registry.generation`` voids
-the memo when quantizer registrations change).
+The first call of each shape asks the policy (through the core's memoized
+``plan_call``) and turns the plan into :class:`~te_integration._levers.Levers`,
+the few values TE's code reads; every later call of that shape is one
+dictionary lookup. The plan stays reachable from its levers, for
+:func:`last_plans`, ``explain`` and attribution. Sound because policies are
+frozen and pure, and the key holds everything a context is built from
+(``default_registry.generation`` voids the memo when quantizer
+registrations change).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from workspace_manager import (
     BackwardOverride,
-    BackwardSource,
-    CacheAction,
+    CallShape,
     Microbatch,
     RecomputePass,
     RecomputeScope,
-    Release,
     Sharding,
     ShardingProbe,
-    Usage,
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
@@ -44,28 +43,22 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-from ._steps import track
-from ._support import require_same_passes, require_supported
+from ._levers import Levers, levers_from_plan
+from ._plan_support import require_same_passes, require_supported
+from ._rebuild import RebuildQuantizer
+from ._step_hook import track
 
-__all__ = ["ModuleKind", "Levers", "ModuleWorkspaceState", "RebuildQuantizer", "state_of", "levers_from_plan"]
+__all__ = ["ModuleKind", "ModuleWorkspaceState", "state_of"]
 
 
 class ModuleKind(enum.Enum):
-    """Which TE module a drop-in is; the autograd Function seams check it."""
+    """Which TE module a drop-in is; each has one adapter (``_adapters``)."""
 
     LINEAR = "linear"
     LAYERNORM_LINEAR = "layernorm_linear"
     LAYERNORM_MLP = "layernorm_mlp"
 
 
-#: Recompute codes the seams compute from TE's flags (ints: cheap to hash).
-RECOMPUTE_CODES = (RecomputePass.NONE, RecomputePass.FIRST, RecomputePass.RECOMPUTE)
-#: Shardings by code: memo keys hold the code, since an enum member hashes in Python.
-SHARDINGS = (Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP, Sharding.DISTRIBUTED_WEIGHT)
-_NONE, _RESHARD, _KEEP = SHARDINGS[:3]
-if set(SHARDINGS) != set(Sharding):  # the codes below must cover every sharding
-    raise ImportError(f"te_integration._state knows the shardings {SHARDINGS}, workspace_manager has {tuple(Sharding)}")
-_DISTRIBUTED_CODE = 3
 #: Instance-dependent capabilities -> a small int for memo keys (see
 #: ModuleWorkspaceState._instance_keys); process-wide, as capabilities are values.
 _CAPABILITY_TOKENS: dict[Any, int] = {}
@@ -78,116 +71,21 @@ def _learn_quantized(wtype: type) -> bool:
     return is_qp
 
 
-@dataclass(frozen=True, slots=True)
-class Levers:
-    """What one weight's plan turns into for TE, for one call shape."""
-
-    key: str
-    context: WorkspaceContext
-    plan: WorkspacePlan
-    is_quantized_param: bool
-    #: Forward quantizes columnwise data too (high-precision weights).
-    forward_columnwise: bool
-    cache: CacheAction
-    #: TE's ``is_fsdp2`` in forward: True makes TE save no workspace.
-    drops_workspace: bool
-    #: TE's in-backward ``clear_columnwise_cache`` on the weight dgrad read.
-    te_clear: bool
-    #: ``backward_override="high_precision"``: TE must not rebuild a quantized weight.
-    no_backward_quantizer: bool
-    #: After backward: clear the quantized parameter's derived columnwise data.
-    release_columnwise: bool
-    #: After backward: mark the cached workspace for release after the step.
-    release_cache: bool
-    #: Either release: the call's backward has something to do.
-    releases: bool
-    #: D11: the workspace saved for backward keeps only its columnwise data;
-    #: the rowwise data is dropped once the forward GEMM has read it.
-    saves_columnwise_only: bool
-    #: D9: the usages a backward rebuild builds where they are fewer than
-    #: the both usages TE's rebuild asks for; None: TE's own rebuild (or none).
-    rebuild_usage: Usage | None
-
-
-def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -> Levers:
-    """The TE levers that carry out ``plan`` (a pure function of the plan)."""
-    is_qp = context.is_quantized_param
-    source = plan.backward_source
-    rebuilds = source is BackwardSource.REQUANTIZE
-    release_columnwise = is_qp and Release.DERIVED_COLUMNWISE in plan.release
-    release_cache = Release.CACHED_WORKSPACE in plan.release
-    return Levers(
-        key=key,
-        context=context,
-        plan=plan,
-        is_quantized_param=is_qp,
-        forward_columnwise=Usage.COLUMNWISE in plan.forward_usage,
-        cache=plan.cache,
-        drops_workspace=not is_qp and source in _DROPPING_SOURCES,
-        # A rebuilt temporary is freed early (lower backward peak); a derived
-        # cache on a quantized parameter is cleared by TE; never a cached workspace.
-        te_clear=rebuilds or (is_qp and Release.DERIVED_COLUMNWISE in plan.release),
-        no_backward_quantizer=source is BackwardSource.HIGH_PRECISION,
-        release_columnwise=release_columnwise,
-        release_cache=release_cache,
-        releases=release_columnwise or release_cache,
-        saves_columnwise_only=_saves_columnwise_only(context, plan),
-        rebuild_usage=plan.backward_usage if rebuilds and plan.backward_usage is not Usage.BOTH else None,
-    )
-
-
-#: Backward sources for which TE must not save the forward's workspace.
-_DROPPING_SOURCES = (BackwardSource.REQUANTIZE, BackwardSource.REGATHER, BackwardSource.HIGH_PRECISION,
-                     BackwardSource.NONE)
-
-
-#: Cache actions under which a saved workspace is fresh: always for BYPASS,
-#: on a miss for READ_ONLY (a miss is not stored).
-_FRESH_WORKSPACE_CACHE_ACTIONS = (CacheAction.BYPASS, CacheAction.READ_ONLY)
-
-
-def _saves_columnwise_only(context: WorkspaceContext, plan: WorkspacePlan) -> bool:
-    """D11: a fresh high-precision-weight workspace saved for a backward that
-    reads only its columnwise data. Not a cache entry (later microbatches
-    read its rowwise data), not a quantized parameter (it is the weight),
-    and not in a recompute pass (TE hands that copy to backward itself)."""
-    return (
-        not context.is_quantized_param
-        and plan.cache in _FRESH_WORKSPACE_CACHE_ACTIONS
-        and plan.backward_source is BackwardSource.SAVED_WORKSPACE
-        and plan.backward_usage == Usage.COLUMNWISE
-        and Usage.COLUMNWISE in plan.forward_usage
-        and context.recompute is RecomputePass.NONE
-    )
-
-
 class ModuleWorkspaceState:
-    """A drop-in module's workspace state (see the module docstring).
+    """A drop-in module's workspace state (see the module docstring)."""
 
-    Per-call fields (``weights``, ``pending``) are filled by the seams inside
-    one module call and emptied when it ends; a module call never runs inside
-    another call of the same module.
-    """
-
-    __slots__ = ("kind", "_policy", "sharding_probe", "call_sharding", "previous_active", "_memo", "_generation",
-                 "_quantizer_keys", "_instance_keys", "_last", "weights", "pending", "rowwise_parts", "dropped",
-                 "filled", "_rebuilders")
+    __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_instance_keys",
+                 "_last", "filled", "_rebuilders")
 
     def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
         """``probe``: how to read the module's sharding (default: made from
-        FSDP2's state at the first call); anything with ``read()`` and
-        ``stale()``, e.g. for describing a sharding without FSDP2."""
+        FSDP2's state at the first call); anything with ``read()``,
+        ``current()`` and ``stale()``, e.g. for describing a sharding without FSDP2."""
         self.kind = kind
         self._policy = policy
-        #: How this module's sharding is read (see :meth:`probe`); None
-        #: until the first call, or as given.
+        #: How this module's sharding is read (see :meth:`probe`); None until the first call, or as given.
         self.sharding_probe = probe
-        #: The sharding the drop-in's prepare_forward read for the call in
-        #: flight; None between calls (then levers() reads the probe).
-        self.call_sharding: Sharding | None = None
-        #: The module the active mark named before this module's call (restored at its end).
-        self.previous_active: Any = None
         self._memo: dict[tuple, Levers] = {}
         self._generation = default_registry.generation
         #: quantizer class -> what its capabilities depend on (the class itself
@@ -201,17 +99,6 @@ class ModuleWorkspaceState:
         #: ``__hash__`` are Python code).
         self._instance_keys: dict[int, tuple[Any, int]] = {}
         self._last: dict[str, Levers] = {}
-        #: The weights of the call in flight, with their levers: (tensor, levers, ...).
-        self.weights: tuple = ()
-        #: Workspaces this call filled, stored in the module's cache only
-        #: when the forward GEMMs returned: a failed call leaves the cache as it was.
-        self.pending: dict[str, Any] | None = None
-        #: D11: rowwise tensors of this call's fresh workspaces that backward
-        #: will not read, to be left out of what the autograd ctx saves.
-        self.rowwise_parts: list | None = None
-        #: LayerNormMLP with FC1 and FC2 planned to save differently: the
-        #: workspaces of this call that backward must not get (None otherwise).
-        self.dropped: list | None = None
         #: weight key -> (id of the cache entry this state filled, whether it
         #: holds columnwise data). A hit on that entry skips re-validating
         #: it: the binding built it with those usages, and TE never adds to
@@ -219,7 +106,7 @@ class ModuleWorkspaceState:
         #: workspaces built for that call). An id, not a reference: the
         #: entry's lifetime stays the cache's.
         self.filled: dict[str, tuple[int, bool]] = {}
-        #: weight key -> the D9 rebuild quantizer made for it (see rebuild_quantizer).
+        #: weight key -> the rebuild quantizer made for it (see backward_quantizer).
         self._rebuilders: dict[str, Any] = {}
 
     def __reduce__(self):
@@ -239,8 +126,7 @@ class ModuleWorkspaceState:
 
     # -- sharding -----------------------------------------------------------------
     def sharding(self, module: Any) -> Sharding:
-        """The module's sharding now, read from FSDP2's own state (the
-        same read as :meth:`levers` does inline)."""
+        """The module's sharding now, read from FSDP2's own state."""
         return self.probe(module).read()
 
     def probe(self, module: Any) -> ShardingProbe:
@@ -251,16 +137,18 @@ class ModuleWorkspaceState:
         return probe
 
     # -- levers -------------------------------------------------------------------
-    def levers(self, module: Any, key: str, weight: Any, quantizer: Any, grad: bool, input_requires_grad: bool,
-               is_first_microbatch: bool | None, backward_override: str | None, recompute: int,
-               module_scope: bool, distributed: bool = False) -> Levers:
-        """The levers for this weight in this call: a memo lookup, or the
-        full planning path for the first call of a shape. ``distributed``: a
-        TE ``DistributedWeight``, whose sharding is its own, not FSDP2's.
+    def levers(self, module: Any, sharding: Sharding | None, *, key: str, weight: Any, quantizer: Any, grad: bool,
+               input_requires_grad: bool, is_first_microbatch: bool | None, backward_override: str | None,
+               recompute: RecomputePass, scope: RecomputeScope) -> Levers:
+        """The levers for weight ``key`` in this call: a memo lookup, or the
+        full planning path for the first call of a shape. ``sharding``: the
+        call record's (``Sharding.DISTRIBUTED_WEIGHT`` for a TE
+        ``DistributedWeight``, whose sharding is its own); None outside a
+        module call (a recompute pass in backward), read from the probe then.
 
         Every call of every managed module runs this, so a repeated shape
         costs no Python call: attribute reads, subscripts and one tuple
-        hash (no enum in the key: enum members hash in Python)."""
+        hash (the enums in the key hash by identity, in C)."""
         wtype = type(weight)
         is_qp = _IS_QUANTIZED[wtype] if wtype in _IS_QUANTIZED else _learn_quantized(wtype)
         source = weight._quantizer if is_qp else quantizer
@@ -272,20 +160,15 @@ class ModuleWorkspaceState:
         else:
             known = self._instance_keys.get(id(source))
             caps_key = known[1] if known is not None and known[0] is source else self._capabilities_key(source)
-        if distributed:
-            code = _DISTRIBUTED_CODE
-        else:
-            sharding = self.call_sharding
-            if sharding is None:  # outside a module call (a recompute pass in backward, a direct caller)
-                sharding = self.probe(module).read()
-            code = 0 if sharding is _NONE else 1 if sharding is _RESHARD else 2 if sharding is _KEEP else 3
+        if sharding is None:
+            sharding = self.probe(module).read()
         shape = (key, caps_key, is_qp, grad, input_requires_grad, is_first_microbatch, backward_override, recompute,
-                 module_scope, code)
+                 scope, sharding)
         try:
             levers = self._memo[shape]
         except KeyError:
             levers = self._memo[shape] = self._plan(shape, source)
-            if is_qp and levers.context.sharding.is_fsdp2:
+            if is_qp and sharding.is_fsdp2:
                 track(module)  # its shards are checked after every optimizer step
         self._last[key] = levers
         return levers
@@ -310,26 +193,27 @@ class ModuleWorkspaceState:
         self._instance_keys.clear()
         self._generation = default_registry.generation
 
+    def _plan(self, shape: tuple, quantizer: Any) -> Levers:
+        key, _, is_qp, grad, input_rg, first, override, recompute, scope, sharding = shape
+        call = CallShape(
+            capabilities=quantizer_capabilities(quantizer), sharding=sharding, recompute=recompute,
+            recompute_scope=scope, grad_enabled=grad, input_requires_grad=input_rg,
+            weight=WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
+            microbatch=Microbatch.from_is_first_microbatch(first), backward_override=BackwardOverride.from_te(override),
+        )
+        planned = plan_call(self._policy, call)
+        require_supported(key, planned.context, planned.plan)
+        if recompute is RecomputePass.FIRST and grad and scope is RecomputeScope.REGION:
+            # Only a non-reentrant checkpoint's first pass runs with grad on:
+            # its recompute pass must keep the same things (see _plan_support).
+            replanned = plan_call(self._policy, _as_recompute_pass(call))
+            require_same_passes(key, planned.context, planned.plan, replanned.plan)
+        return levers_from_plan(key, planned.context, planned.plan)
+
+    # -- what the latest call planned ----------------------------------------------
     def remember(self, levers: Levers) -> None:
         """Make ``levers`` the latest plan of its weight (as a call does)."""
         self._last[levers.key] = levers
-
-    def _plan(self, shape: tuple, quantizer: Any) -> Levers:
-        key, _, is_qp, grad, input_rg, first, override, recompute, module_scope, sharding = shape
-        context, plan = plan_call(
-            self._policy, quantizer_capabilities(quantizer), SHARDINGS[sharding], RECOMPUTE_CODES[recompute],
-            RecomputeScope.MODULE if module_scope else RecomputeScope.REGION, grad, input_rg,
-            WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
-            Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),
-        )
-        require_supported(key, context, plan)
-        if context.recompute is RecomputePass.FIRST and context.grad_enabled and not module_scope:
-            # Only a non-reentrant checkpoint's first pass runs with grad on.
-            _, replanned = plan_call(self._policy, context.capabilities, context.sharding, RecomputePass.RECOMPUTE,
-                                     context.recompute_scope, True, input_rg, context.weight, context.microbatch,
-                                     context.backward_override)
-            require_same_passes(key, context, plan, replanned)
-        return levers_from_plan(key, context, plan)
 
     def last_plans(self) -> dict[str, tuple[WorkspaceContext, WorkspacePlan]]:
         """``{weight key: (context, plan)}`` of the latest managed call."""
@@ -343,35 +227,13 @@ class ModuleWorkspaceState:
         """How many call shapes were planned in full (the memo's size)."""
         return len(self._memo)
 
-    # -- the call in flight -------------------------------------------------------------
-    def slot_for(self, tensor: Any) -> Levers | None:
-        """The levers of ``tensor`` if it is a weight of the call in flight."""
-        weights = self.weights
-        for i in range(0, len(weights), 2):
-            if weights[i] is tensor:
-                return weights[i + 1]
-        return None
-
-    def cached(self, workspaces: dict, key: str) -> Any:
-        pending = self.pending
-        if pending is not None and key in pending:
-            return pending[key]
-        return workspaces.get(key)
-
-    def fill(self, key: str, workspace: Any, columnwise: bool) -> None:
-        """``workspace`` was built for the cache entry ``key`` by this call,
-        with columnwise data or not; stored by :meth:`commit`."""
-        if self.pending is None:
-            self.pending = {}
-        self.pending[key] = workspace
-        self.filled[key] = (id(workspace), columnwise)
-
+    # -- backward ---------------------------------------------------------------------
     def backward_quantizer(self, levers: Levers, quantizer: Any) -> Any:
         """The weight quantizer TE's backward gets: none where dgrad reads the
-        high-precision weight (TE must not rebuild), and for D9 a
-        :class:`RebuildQuantizer` that builds only the plan's usages (made
-        once per weight and quantizer)."""
-        if levers.no_backward_quantizer or quantizer is None:
+        high-precision weight (TE must not rebuild), and a
+        :class:`RebuildQuantizer` that builds only the plan's usages where
+        they are fewer than TE's (made once per weight and quantizer)."""
+        if levers.dgrad_reads_high_precision or quantizer is None:
             return None
         if type(quantizer) is RebuildQuantizer:  # set already (LayerNormMLP's own recompute)
             quantizer = quantizer.quantizer
@@ -382,60 +244,14 @@ class ModuleWorkspaceState:
             rebuilder = rebuilders[key] = RebuildQuantizer(quantizer, usage)
         return rebuilder
 
-    def commit(self, workspaces: dict) -> None:
-        """The call's GEMMs returned: its new cache entries become the module's."""
-        if self.pending:
-            workspaces.update(self.pending)
-        self.pending = None
 
-
-class RebuildQuantizer:
-    """Stands for a weight quantizer in TE's backward rebuild (D9).
-
-    TE 2.20 asks for both usages there (``set_usage(rowwise=True,
-    columnwise=True)`` before quantizing the gathered weight), although
-    dgrad reads only columnwise data. This wrapper ignores that request and
-    quantizes with the plan's usages. Formats whose kernels cannot build
-    columnwise data alone (TE 2.20's per-tensor FP8: its cast-transpose
-    needs rowwise output, and says so with ``NotImplementedError``) build
-    both and drop the rest at once, so backward holds only what the plan
-    names. Any other attribute TE reads comes from the wrapped quantizer;
-    afterwards the quantizer is left as TE's rebuild leaves it (both usages).
-    """
-
-    __slots__ = ("quantizer", "usage", "_rowwise", "_columnwise")
-
-    #: Quantizer classes found unable to build the narrow usage directly.
-    builds_both: ClassVar[set] = set()
-
-    def __init__(self, quantizer: Any, usage: Usage) -> None:
-        self.quantizer = quantizer
-        self.usage = usage
-        self._rowwise = Usage.ROWWISE in usage
-        self._columnwise = Usage.COLUMNWISE in usage
-
-    def set_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
-        """Ignored: the plan's usages stand."""
-
-    def __call__(self, tensor: Any) -> Any:
-        quantizer = self.quantizer
-        if type(quantizer) not in RebuildQuantizer.builds_both:
-            quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
-            try:
-                return quantizer(tensor)
-            except NotImplementedError:
-                RebuildQuantizer.builds_both.add(type(quantizer))
-            finally:
-                quantizer.set_usage(rowwise=True, columnwise=True)
-        # Both usages, as TE's rebuild asks (and leaves the quantizer), then
-        # the ones the plan does not name dropped at once.
-        quantizer.set_usage(rowwise=True, columnwise=True)
-        out = quantizer(tensor)
-        out.update_usage(rowwise_usage=self._rowwise, columnwise_usage=self._columnwise)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.quantizer, name)
+def _as_recompute_pass(call: CallShape) -> CallShape:
+    """The same call, as the recompute pass of its checkpoint."""
+    return CallShape(
+        capabilities=call.capabilities, sharding=call.sharding, recompute=RecomputePass.RECOMPUTE,
+        recompute_scope=call.recompute_scope, grad_enabled=True, input_requires_grad=call.input_requires_grad,
+        weight=call.weight, microbatch=call.microbatch, backward_override=call.backward_override,
+    )
 
 
 def state_of(module: Any) -> ModuleWorkspaceState:

@@ -44,6 +44,11 @@ class Sharding(enum.Enum):
     #: backward gathers again instead of keeping the forward copy.
     DISTRIBUTED_WEIGHT = "distributed_weight"
 
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is Python code, which the bindings' per-call
+    # memo keys would pay for on every module call.
+    __hash__ = object.__hash__
+
     @property
     def is_fsdp2(self) -> bool:
         return self in (Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP)
@@ -61,6 +66,11 @@ class RecomputePass(enum.Enum):
     #: backward that follows at once.
     RECOMPUTE = "recompute"
 
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is Python code, which the bindings' per-call
+    # memo keys would pay for on every module call.
+    __hash__ = object.__hash__
+
 
 class RecomputeScope(enum.Enum):
     """Who reruns the forward in a recompute pass. It decides what TE hands
@@ -74,6 +84,11 @@ class RecomputeScope(enum.Enum):
     #: inside its backward: TE hands the workspaces the pass builds
     #: straight to that backward.
     MODULE = "module"
+
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is Python code, which the bindings' per-call
+    # memo keys would pay for on every module call.
+    __hash__ = object.__hash__
 
 
 class WeightSource(enum.Enum):

@@ -432,7 +432,8 @@ def compat() -> dict[str, Any]:
     linear = _file("linear", _Linear=_te_named(LinearFunction, "fake_te.linear", "_Linear"))
     import _fake_te_mlp as mlp  # it imports this module
 
-    lnl_fn = _te_named(type("_LayerNormLinear", (), {"forward": staticmethod(lambda *a: None)}), "fake_te.lnl",
+    lnl_fn = _te_named(type("_LayerNormLinear", (), {"forward": staticmethod(lambda *a: None),
+                                                     "backward": staticmethod(lambda *a: None)}), "fake_te.lnl",
                        "_LayerNormLinear")
     mlp_fn = _te_named(type("_LayerNormMLP", (mlp.MLPFunction,), {}), "fake_te.lnmlp", "_LayerNormMLP")
     lnl = _file("lnl", _LayerNormLinear=lnl_fn)
@@ -462,7 +463,9 @@ def compat() -> dict[str, Any]:
 
 
 def load_full_binding(monkeypatch) -> SimpleNamespace:
-    """``_modules`` (with the seams, state, steps, shards and attribution)
-    loaded against the stand-in; the seams are installed into its files."""
-    mods = load_binding(monkeypatch, compat(), "_steps", "_attribution", "_support", "_state", "_shards", "_seams", "_modules")
+    """``_modules`` (with the seams, state, step hook, shards and
+    attribution) loaded against the stand-in; the seams are installed into
+    its files at the first drop-in call."""
+    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_call", "_install",
+                        "_modules", "_construction")
     return SimpleNamespace(files=_FILES, **{name.lstrip("_"): m for name, m in mods.items()})

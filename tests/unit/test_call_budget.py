@@ -30,7 +30,7 @@ def test_a_managed_call_adds_at_most_the_budget_of_pythoncount_calls(ti):
     managed = ti.modules.convert_model(TELinear(8, 8, seed=1))
     managed(x).sum().backward()  # installs the seams, plans the one call shape
     planned = ti.modules.workspace_state(managed).shapes_planned()
-    ti.seams.uninstall()
+    ti.install.uninstall()
     stock_calls = count_calls(lambda: stock(x).sum().backward())
     managed_calls = count_calls(lambda: managed(x).sum().backward())
     extra = sum(managed_calls.values()) - sum(stock_calls.values())

@@ -1,6 +1,6 @@
 """Other libraries' patches of the names the seams replace in TE's modules.
 
-``_seams.install`` puts its own ``quantize_weight``, ``_Linear``,
+``_install.install`` puts its own ``quantize_weight``, ``_Linear``,
 ``_LayerNormLinear`` and ``_LayerNormMLP`` into TE's module files. If
 another library has patched one of those names (before or after
 ``te_integration`` was imported), installing over it would drop that patch,

@@ -1,0 +1,147 @@
+"""The ``quantize_weight`` seam: the cache and the forward usage from the plan.
+
+Installed as ``quantize_weight`` in the globals of TE's module files, where
+TE's forward quantizes each weight. For a weight of the drop-in call on top
+of this thread's stack (:data:`~te_integration._call.ACTIVE`) it quantizes
+with the plan's forward usage and through the plan's cache action; the
+binding owns the cache, so TE's ``workspace``/``cache`` arguments are
+ignored and no new workspace is returned (TE never stores one). Anything
+else (stock modules, quantized parameters) runs TE's own function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workspace_manager import CacheAction
+
+from . import _attribution
+from . import _compat as te
+from ._call import ACTIVE, GATHERED_WEIGHT, CallRecord
+from ._levers import Levers
+from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
+
+__all__ = ["managed_quantize_weight"]
+
+_LEDGER = _attribution.LEDGER
+
+
+def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_workspace=True,
+                            skip_update_flag=None, fsdp_group=None, workspace_dtype=None, cache=False):
+    """TE's ``quantize_weight`` with the cache and usage taken from the plan."""
+    record = ACTIVE.record
+    levers = None
+    if record is not None:
+        weights = record.weights
+        if weights and (weights[0] is tensor or weights[0] is GATHERED_WEIGHT):  # the common case: the first weight
+            levers = weights[1]
+        elif weights:
+            levers = _levers_of(weights, tensor)
+    if levers is None or levers.is_quantized_param:
+        return _stock_quantize(levers, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
+                               workspace_dtype, cache)
+    if levers.cache is not CacheAction.BYPASS:
+        out, hit = _cached_quantize(record, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
+    else:  # the common case, spelled here: one Python call fewer per module call
+        want_columnwise, hit = levers.forward_columnwise, False
+        if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
+            quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+    if levers.saves_no_workspace and record.dropped is not None:  # FC1 and FC2 save differently
+        record.dropped.append(out)
+    if levers.saves_columnwise_only and not hit:  # a fresh workspace (a cache entry keeps what it holds)
+        # Found now: TE's prepare_for_saving empties the storage before its
+        # forward returns (see _saved_tensors). Per-tensor FP8 is spelled
+        # inline (attribute reads only): it is every such call on Hopper.
+        if type(out) in PER_TENSOR_LAYOUTS:
+            data = out._data
+            parts = [data] if data is not None and out._transpose is not None and not out._transpose_invalid else None
+        else:
+            parts = rowwise_parts(out)
+        if parts:
+            record.rowwise_parts = parts if record.rowwise_parts is None else record.rowwise_parts + parts
+    if _LEDGER.enabled:
+        _attribution.forward_workspace(record.module, levers.key, levers.plan, out, from_cache=hit)
+    return out, None
+
+
+def _levers_of(weights: tuple, tensor: Any) -> Levers | None:
+    """The levers of ``tensor`` if it is one of the call's weights."""
+    for i in range(0, len(weights), 2):
+        if weights[i] is tensor:
+            return weights[i + 1]
+    return None
+
+
+def _stock_quantize(levers, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
+                    workspace_dtype, cache):
+    """TE's own ``quantize_weight``: quantized parameters are never cached
+    (TE only adds the usages their own quantizer holds), and everything
+    unplanned is stock TE (observed while recording)."""
+    out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
+                                  update_workspace=update_workspace, skip_update_flag=skip_update_flag,
+                                  fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
+    if _LEDGER.enabled and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
+        _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
+                                       weight=tensor)
+    return out, new
+
+
+def _cached_quantize(record: CallRecord, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
+    """Quantize a high-precision weight through the module's cache as its
+    plan says (FILL, REUSE or READ_ONLY); returns the workspace and whether
+    it came from the cache."""
+    state = record.state
+    want_columnwise = levers.forward_columnwise
+    if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
+        quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
+    action, key = levers.cache, levers.key
+    pending = record.pending
+    # This call's own fill first, then the module's cache.
+    cached = pending[key] if pending is not None and key in pending else record.module._fp8_workspaces.get(key)
+    # An entry this state filled with the usages wanted serves as it is
+    # (see ModuleWorkspaceState.filled); any other is checked in full.
+    filled = state.filled.get(key)
+    if cached is not None and (
+            (filled is not None and filled[0] == id(cached) and (filled[1] or not want_columnwise))
+            or _usable(cached, tensor, quantizer, want_columnwise)):
+        if action is not CacheAction.FILL and skip_update_flag is None:
+            return cached, True  # what TE's quantize_weight returns for a hit it must not refresh
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+        return out, True
+    if action is CacheAction.READ_ONLY:  # missed: a fresh workspace, not stored
+        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
+        return out, False
+    out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
+                                  skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype, cache=True)
+    if record.pending is None:
+        record.pending = {}
+    record.pending[key] = new
+    state.filled[key] = (id(new), want_columnwise)
+    return out, False
+
+
+def commit_cache(record: CallRecord) -> None:
+    """The call's GEMMs returned: the cache entries it filled become the module's."""
+    record.module._fp8_workspaces.update(record.pending)
+
+
+def _usable(workspace, tensor, quantizer, want_columnwise: bool) -> bool:
+    """Stricter than TE's ``_is_weight_workspace_valid``: it also checks
+    block-FP8 usages, missing rowwise data, shape and format."""
+    if not te.is_weight_workspace_valid(workspace, quantizer):
+        return False
+    try:
+        usages = workspace.get_usages()
+    except (AttributeError, NotImplementedError):
+        # Storages that cannot report their usages (TE's Python reference
+        # quantizers) are judged by TE's own check alone, as stock TE does.
+        usages = {"rowwise": True, "columnwise": True}
+    if not usages.get("rowwise", False) or (want_columnwise and not usages.get("columnwise", False)):
+        return False
+    if tuple(workspace.shape) != tuple(tensor.shape):
+        return False
+    return type(getattr(workspace, "_quantizer", quantizer)) is type(quantizer)
