@@ -466,6 +466,6 @@ def load_full_binding(monkeypatch) -> SimpleNamespace:
     """``_modules`` (with the seams, state, step hook, shards and
     attribution) loaded against the stand-in; the seams are installed into
     its files at the first drop-in call."""
-    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_call", "_install",
-                        "_modules", "_construction")
+    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_call", "_adapter_mlp",
+                        "_install", "_modules", "_construction")
     return SimpleNamespace(files=_FILES, **{name.lstrip("_"): m for name, m in mods.items()})

@@ -108,7 +108,7 @@ def test_an_exception_in_a_nested_module_leaves_nothing_active(ti):
     managed.adapter.forward = broken
     with pytest.raises(RuntimeError, match="adapter failed"):
         managed(torch.randn(4, 8), is_first_microbatch=True)
-    assert ti.seams.ACTIVE.get() is None
+    assert ti.call.ACTIVE.module() is None
     assert managed._fp8_workspaces == before
     del managed.adapter.forward
     stock = LoRA(seed=3)
@@ -129,7 +129,7 @@ def test_a_failing_forward_leaves_the_cache_as_it_was(ti):
     with pytest.raises(RuntimeError):
         managed(torch.randn(4, 3), is_first_microbatch=True)  # wrong width: the GEMM fails
     assert managed._fp8_workspaces == {"weight": cached}
-    assert ti.seams.ACTIVE.get() is None
+    assert ti.call.ACTIVE.module() is None
 
 
 def test_repeated_call_shapes_are_planned_once_and_new_shapes_again(ti):
@@ -172,7 +172,7 @@ def test_a_backward_that_raises_still_clears_the_call(ti):
     with pytest.raises(RuntimeError, match="injected failure"):
         out.sum().backward()
     LinearFunction.fail_backward = False
-    assert ti.seams.ACTIVE.get() is None
+    assert ti.call.ACTIVE.module() is None
     managed(x).sum().backward()  # the next step runs
     assert x.grad is not None
 
@@ -196,7 +196,7 @@ def test_a_backward_that_raises_still_releases_the_planned_cache(ti, monkeypatch
     with pytest.raises(InjectedFault):
         out.sum().backward()  # the step's first backward: nothing was marked before it
     assert managed._fp8_workspaces == {"weight": cached}  # dropped at the step's end, not before
-    assert ti.steps.release_step_caches(managed) == 1 and managed._fp8_workspaces == {}
+    assert ti.step_hook.release_step_caches(managed) == 1 and managed._fp8_workspaces == {}
 
 # -- faults in nested modules (the GPU version: tests/gpu/test_nesting.py) ----------
 #: scenario -> phases a fault is injected in: the forward (a checkpoint's
@@ -243,14 +243,14 @@ def test_a_fault_in_a_nested_module_leaves_nothing_active(ti, monkeypatch, scena
     for model in (stock, managed):
         with pytest.raises(InjectedFault, match="injected failure"):
             _call(model, torch.randn(4, 8, requires_grad=True), scenario, True).sum().backward()
-        assert ti.seams.ACTIVE.get() is None
+        assert ti.call.ACTIVE.module() is None
         for p in model.parameters():
             p.grad = None  # the failed step's partial gradients are discarded
     monkeypatch.setattr(LinearFunction, "fault", None)
     for module in managed.modules():
         if isinstance(module, ti.modules._ManagedModule):
-            state = ti.modules.workspace_state(module)
-            assert (state.weights, state.pending, state.previous_active, state.call_sharding) == ((), None, None, None)
+            # Every call window closed: no record left on the stack, TE's is_fsdp2 back to the state's probe.
+            assert ti.call.ACTIVE.record is None and "is_fsdp2" not in module.__dict__
     expected += _train(stock, 2, scenario, first_step=1)
     got += _train(managed, 2, scenario, first_step=1)
     assert len(expected) == len(got)

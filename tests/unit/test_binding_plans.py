@@ -12,6 +12,8 @@ that requantize exactly.
 
 from __future__ import annotations
 
+import contextlib
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +67,10 @@ class _LinearFunction:
             ctx.backward_objects = SimpleNamespace(is_fsdp2=None, weight_quantizer="te's")
         return inp
 
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
 
 class _MLPFunction:
     """Stands for TE's ``_LayerNormMLP``: records the argument tuple."""
@@ -98,16 +104,28 @@ class _RegionFlag:
         return self._phase["enabled"]
 
 
+def _te_file(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(f"stand_in_te.{name}")
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    return module
+
+
 @pytest.fixture
 def binding(monkeypatch):
     phase = {"enabled": False, "recompute": False}
     compat = {
+        "linear_module": _te_file("linear"), "lnl_module": _te_file("layernorm_linear"),
+        "lnmlp_module": _te_file("layernorm_mlp", prepare_for_saving=lambda *tensors: list(tensors)),
+        "mha_module": _te_file("multi_head_attention"), "transformer_module": _te_file("transformer"),
+        "base_module": _te_file("base"),
         "QuantizedTensorStorage": _Storage,
         "TELinear": type("_TELinear", (), {}),
         "TELayerNormLinear": type("_TELayerNormLinear", (), {}),
         "TELayerNormMLP": type("_TELayerNormMLP", (), {}),
         "LinearFunction": _LinearFunction,
-        "LNLFunction": type("_LNLFunction", (), {}),
+        "LNLFunction": type("_LNLFunction", (), {"forward": staticmethod(lambda *a: None),
+                                                 "backward": staticmethod(lambda *a: None)}),
         "LNMLPFunction": _MLPFunction,
         "LNL_ARGS": {},
         "LNMLP_ARGS": MLP,
@@ -120,10 +138,15 @@ def binding(monkeypatch):
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
     }
-    modules = load_binding(monkeypatch, compat, "_attribution", "_state", "_seams")
+    modules = load_binding(monkeypatch, compat, "_attribution", "_state", "_call", "_quantize", "_release",
+                           "_adapter_mlp", "_functions", "_install")
     _LinearFunction.seen.clear()
     _MLPFunction.seen.clear()
-    return SimpleNamespace(phase=phase, state=modules["_state"], seams=modules["_seams"])
+    kinds, seams = modules["_state"].ModuleKind, modules["_install"].SEAM_FUNCTIONS
+    return SimpleNamespace(phase=phase, state=modules["_state"], call=modules["_call"], te=modules["_call"].te,
+                           quantize=modules["_quantize"], release=modules["_release"], mlp=modules["_adapter_mlp"],
+                           functions=modules["_functions"],
+                           linear_seam=seams[kinds.LINEAR], mlp_seam=seams[kinds.LAYERNORM_MLP])
 
 
 def _module(binding, kind: str, sharding: Sharding, policy=None):
@@ -138,6 +161,25 @@ def _module(binding, kind: str, sharding: Sharding, policy=None):
     return SimpleNamespace(_wm_kind=kind, _wm_state=state, _fp8_workspaces={})
 
 
+def _record(binding, module):
+    """A call record of ``module``, as its prepare_forward makes it (the sharding read from its probe)."""
+    state = module._wm_state
+    return binding.call.new_record(module, state, state.sharding(module), binding.call.ACTIVE.record)
+
+
+@contextlib.contextmanager
+def _in_call(binding, module):
+    """``module``'s call record on top of this thread's stack, as between
+    its prepare_forward and end_forward; yields the record."""
+    active = binding.call.ACTIVE
+    record = _record(binding, module)
+    active.record = record
+    try:
+        yield record
+    finally:
+        active.record = record.previous
+
+
 def _in_te_checkpoint(binding, recompute: bool) -> None:
     binding.phase.update(enabled=True, recompute=recompute)
 
@@ -146,16 +188,13 @@ def _linear(binding, quantizer: type, sharding=Sharding.FSDP2_RESHARD, policy=No
     """One managed Linear call through the seam: its slot's plan, and the
     ``is_fsdp2`` levers set for TE's forward and backward."""
     module = _module(binding, "linear", sharding, policy)
-    token = binding.seams.ACTIVE.set(module)
-    try:
+    with _in_call(binding, module):
         fwd_args = SimpleNamespace(fp8=True, debug=False, fsdp_group=None, skip_fp8_weight_update=None,
                                    cpu_offloading=False, weight_quantizer=quantizer(), is_grad_enabled=True,
                                    input_requires_grad=True, is_first_microbatch=None, backward_override=None,
                                    is_fsdp2=None)
         ctx = SimpleNamespace()
-        binding.seams._Linear.forward(ctx, object(), "x", None, fwd_args)
-    finally:
-        binding.seams.ACTIVE.reset(token)
+        binding.linear_seam.forward(ctx, object(), "x", None, fwd_args)
     ctx_plan = module._wm_state.last_plans()["weight"]
     return ctx_plan, _LinearFunction.seen[-1], ctx.backward_objects.is_fsdp2
 
@@ -213,7 +252,7 @@ def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, check
         _in_te_checkpoint(binding, recompute=True)
     module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
     nta = _mlp_nta(DELAYED, checkpoint=checkpoint, recompute_for_bwd=recompute_for_bwd)
-    weights = binding.seams._plan_mlp(module, nta, object(), object())
+    weights = binding.mlp._plan(_record(binding, module), nta, object(), object())
     slots = weights[1::2]
     plans = module._wm_state.last_plans()
     assert set(plans) == {"fc1_weight", "fc2_weight"}
@@ -222,10 +261,10 @@ def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, check
     sources = {plan.backward_source for _, plan in plans.values()}
     if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.MODULE):
         assert sources == {BackwardSource.SAVED_WORKSPACE}
-        assert not any(s.drops_workspace for s in slots)
+        assert not any(s.saves_no_workspace for s in slots)
     if expected[:2] == (RecomputePass.RECOMPUTE, RecomputeScope.REGION):
         assert sources == {BackwardSource.REQUANTIZE}
-        assert all(s.drops_workspace for s in slots)
+        assert all(s.saves_no_workspace for s in slots)
 
 
 @pytest.mark.parametrize("quantizer, expected", [(DELAYED, "bypass"), (CURRENT, "read_only")],
@@ -236,7 +275,7 @@ def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exa
     module = _module(binding, "lnmlp", Sharding.NONE)
     nta = list(_mlp_nta(quantizer, checkpoint=True, recompute_for_bwd=True))
     nta[MLP["is_first_microbatch"]] = False
-    binding.seams._plan_mlp(module, tuple(nta), object(), object())
+    binding.mlp._plan(_record(binding, module), tuple(nta), object(), object())
     for _, plan in module._wm_state.last_plans().values():
         assert plan.cache.value == expected
 
@@ -263,7 +302,7 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer")()
     _in_te_checkpoint(binding, recompute=True)
     made, saved = [], []
-    compat = binding.seams.te
+    compat = binding.te
 
     def quantize_weight(*, tensor=None, quantizer=None, **_):
         made.append(SimpleNamespace(source=tensor, columnwise=quantizer.columnwise_usage))
@@ -271,8 +310,8 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
 
     def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, args):
         # TE's order: quantize both weights through the module global, then save (layernorm_mlp.py:807).
-        fc1, _ = binding.seams.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
-        fc2, _ = binding.seams.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
+        fc1, _ = binding.quantize.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
+        fc2, _ = binding.quantize.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
         saved.append(compat.lnmlp_module.prepare_for_saving(None, fc1, fc1_w, None, fc2, fc2_w))
         _MLPFunction.seen.append(args)
         return inp
@@ -282,19 +321,18 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
     monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
     monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
+    seam = binding.functions.seam_function(binding.mlp.LAYERNORM_MLP)  # the seam over the patched forward
     fc1_w, fc2_w = object(), object()
-    token = binding.seams.ACTIVE.set(module)
-    try:
-        binding.seams._LayerNormMLP._forward(SimpleNamespace(), "x", None, None, fc1_w, None, None, fc2_w, None,
-                                             None, tuple(nta))
-    finally:
-        binding.seams.ACTIVE.reset(token)
+    with _in_call(binding, module) as record:
+        seam._forward(SimpleNamespace(), "x", None, None, fc1_w, None, None, fc2_w, None, None,
+                                  tuple(nta))
     plans = {key: plan.backward_source for key, (_, plan) in module._wm_state.last_plans().items()}
     assert plans == {"fc1_weight": BackwardSource.REQUANTIZE, "fc2_weight": BackwardSource.SAVED_WORKSPACE}
     assert _MLPFunction.seen[-1][MLP["is_fsdp2"]] is False  # TE saves both...
     assert saved == [[None, None, fc1_w, None, made[1], fc2_w]]  # ...but gets None for FC1's workspace
     assert [m.source for m in made] == [fc1_w, fc2_w]
-    assert lnmlp_module.prepare_for_saving is original and module._wm_state.dropped is None  # put back, reset
+    assert lnmlp_module.prepare_for_saving is original  # put back
+    assert record.dropped == [made[0]]  # the call's record held FC1's workspace, the one backward rebuilds
 
 
 def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_own_rebuilt_weight(binding,
@@ -307,10 +345,10 @@ def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_ow
 
     from workspace_manager import LeanWorkspacePolicy
 
-    compat = binding.seams.te
+    compat = binding.te
     lnmlp_module = SimpleNamespace(prepare_for_saving=lambda *tensors: list(tensors))
     original = lnmlp_module.prepare_for_saving
-    first_done, saved, blocked, threads = threading.Event(), {}, [], []
+    first_done, saved, blocked, threads, entered = threading.Event(), {}, [], [], []
 
     def quantize_weight(*, tensor=None, quantizer=None, **_):
         return SimpleNamespace(source=tensor), None
@@ -320,22 +358,23 @@ def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_ow
         nta = list(_mlp_nta(_saving_quantizer("Float8CurrentScalingQuantizer"), checkpoint=False,
                             recompute_for_bwd=False))
         nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer")()
-        token = binding.seams.ACTIVE.set(module)
-        try:
-            binding.seams._LayerNormMLP._forward(SimpleNamespace(), name, None, None, f"{name} fc1", None, None,
-                                                 f"{name} fc2", None, None, tuple(nta))
-        finally:
-            binding.seams.ACTIVE.reset(token)
+        with _in_call(binding, module):
+            seams[0]._forward(SimpleNamespace(), name, None, None, f"{name} fc1", None, None,
+                                      f"{name} fc2", None, None, tuple(nta))
 
     def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, args):
-        fc1, _ = binding.seams.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
-        fc2, _ = binding.seams.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
+        entered.append(inp)
+        fc1, _ = binding.quantize.managed_quantize_weight(tensor=fc1_w, quantizer=args[MLP["fc1_weight_quantizer"]])
+        fc2, _ = binding.quantize.managed_quantize_weight(tensor=fc2_w, quantizer=args[MLP["fc2_weight_quantizer"]])
         if inp == "first":
             second = threading.Thread(target=call, args=("second",))
             threads.append(second)
             second.start()
             second.join(0.3)
-            blocked.append(second.is_alive())
+            # Still waiting, and not yet inside TE's forward: it waits for the
+            # first call's swap to end, not (as it would without the lock) for
+            # first_done below, which is set only once the first call returned.
+            blocked.append(second.is_alive() and entered == ["first"])
         else:
             first_done.wait(5)  # without the wait for the first call, that call ends here
         saved[inp] = [getattr(t, "source", t) for t in compat.lnmlp_module.prepare_for_saving(fc1, fc2)]
@@ -344,6 +383,7 @@ def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_ow
     monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
     monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
     monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
+    seams = [binding.functions.seam_function(binding.mlp.LAYERNORM_MLP)]  # the seam over the patched forward
     call("first")
     first_done.set()
     threads[0].join(5)
@@ -359,7 +399,7 @@ def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_d
     nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
     nta[MLP["fc1_weight_quantizer"]] = DELAYED()
     _in_te_checkpoint(binding, recompute=True)
-    binding.seams._plan_mlp(module, tuple(nta), object(), object())
+    binding.mlp._plan(_record(binding, module), tuple(nta), object(), object())
     sources = {plan.backward_source for _, plan in module._wm_state.last_plans().values()}
     assert sources == {BackwardSource.REQUANTIZE}
 
@@ -368,10 +408,12 @@ def _own_recompute(binding, policy, quantizer=CURRENT):
     """LayerNormMLP(checkpoint=True), unsharded: the seam's recompute pass in
     backward, returning what it hands TE's backward and the ctx."""
     module = _module(binding, "lnmlp", Sharding.NONE, policy)
-    ctx = SimpleNamespace(_te_wm_module=module, fc1_weight_quantizer=quantizer(), fc2_weight_quantizer=quantizer())
+    ctx = SimpleNamespace(_te_wm_backward=binding.release.BackwardWork(module), fc1_weight_quantizer=quantizer(),
+                          fc2_weight_quantizer=quantizer())
     fc1_w, fc2_w = object(), object()
     nta = _mlp_nta(quantizer, checkpoint=True, recompute_for_bwd=True)
-    out = binding.seams._LayerNormMLP._forward(ctx, "x", None, None, fc1_w, None, None, fc2_w, None, None, nta)
+    out = binding.mlp_seam._forward(ctx, "x", None, None, fc1_w, None, None, fc2_w, None, None, nta)
+    assert binding.call.ACTIVE.record is None  # the pass's own record, popped
     return out, ctx, module
 
 
@@ -407,18 +449,19 @@ def test_own_checkpoint_backward_releases_what_its_recompute_pass_planned(bindin
     backward: the backward seam must not skip its release step because the
     first pass left none (found by the GPU drawn-plan test)."""
     released = []
-    monkeypatch.setattr(binding.seams, "_release", released.append)
+    monkeypatch.setattr(binding.release, "_release", released.append)
     module = _module(binding, "lnmlp", Sharding.NONE)
-    ctx = SimpleNamespace(_te_wm_module=module)
+    ctx = SimpleNamespace(_te_wm_backward=binding.release.BackwardWork(module))  # what the first pass leaves
+    work = binding.release.BackwardWork(module, releases=(("fc1 weight", "its levers"),))
 
     def recompute(ctx):
-        ctx._te_wm_release = ("record",)  # what _edit_mlp_ctx leaves when the plan releases
+        ctx._te_wm_backward = work  # what the recompute pass's ctx edit leaves when the plan releases
         return ()
 
     monkeypatch.setattr(_MLPFunction, "_recompute", staticmethod(recompute), raising=False)
-    binding.seams._LayerNormMLP.backward(ctx, "grad")
-    assert released == [("record",)]
-    assert ctx._te_wm_module is None and ctx._te_wm_release is None
+    binding.mlp_seam.backward(ctx, "grad")
+    assert released == [work]
+    assert ctx._te_wm_backward is None
 
 
 def _block_quantizer(dim: int):
@@ -430,7 +473,9 @@ def _block_quantizer(dim: int):
 
 
 def _levers(state, module, quantizer):
-    return state.levers(module, "weight", object(), quantizer, True, True, None, None, 0, False)
+    return state.levers(module, Sharding.NONE, key="weight", weight=object(), quantizer=quantizer, grad=True,
+                        input_requires_grad=True, is_first_microbatch=None, backward_override=None,
+                        recompute=RecomputePass.NONE, scope=RecomputeScope.REGION)
 
 
 def test_instance_dependent_capabilities_are_read_once_per_quantizer_object(binding, monkeypatch):

@@ -320,8 +320,8 @@ def test_layernorm_mlp_whose_fc1_and_fc2_save_differently_conforms(ti, monkeypat
     from workspace_manager import LeanWorkspacePolicy
 
     split = []
-    forward_split = ti.seams._forward_split
-    monkeypatch.setattr(ti.seams, "_forward_split", lambda *args: split.append(1) or forward_split(*args))
+    forward_split = ti.adapter_mlp._forward_split
+    monkeypatch.setattr(ti.adapter_mlp, "_forward_split", lambda *args: split.append(1) or forward_split(*args))
     for microbatches in ((None,), (True, False, False)):
         setting = Setting(Sharding.NONE, microbatches, recompute=False, no_grad=False, override=None,
                           input_grad=True, kind="LayerNormMLP", mixed=True)
