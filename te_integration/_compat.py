@@ -10,13 +10,12 @@ naming each missing or changed piece and the TE file it belongs in.
 
 from __future__ import annotations
 
-import ast
 import importlib
-import inspect
-import textwrap
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
+
+from ._te_source import structure_problems
 
 SUPPORTED = "2.20"
 """TE major.minor this package binds to: ``>=2.20,<2.21``."""
@@ -243,61 +242,12 @@ _SENTINELS = {
 }
 
 
-def _where(obj) -> str:
-    """``qualname (file)`` of a TE function or class, for messages."""
-    module = getattr(obj, "__module__", "") or ""
-    return f"{getattr(obj, '__qualname__', obj)} ({module.replace('.', '/')}.py)"
-
-
-def _source(fn) -> str | None:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):  # a build without its Python sources
-        return None
-
-
-def _unpacked_names(fn, source_name: str) -> list[str]:
-    """Target names of ``(...) = <source_name>`` or ``(...) = <...>.<source_name>(...)``
-    in ``fn``'s source."""
-    source = _source(fn)
-    tree = ast.parse(textwrap.dedent(source)) if source is not None else ast.Module(body=[], type_ignores=[])
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
-                and _is_named(node.value, source_name)):
-            return [t.id for t in node.targets[0].elts if isinstance(t, ast.Name)]
-    return []
-
-
-def _is_named(value: ast.expr, name: str) -> bool:
-    """Whether ``value`` is ``name``, ``<...>.name`` or a call of either."""
-    if isinstance(value, ast.Call):
-        value = value.func
-    return ((isinstance(value, ast.Name) and value.id == name)
-            or (isinstance(value, ast.Attribute) and value.attr == name))
-
-
-def _check_structure() -> list[str]:
-    problems = []
-    for fn, needles in _SENTINELS.items():
-        source = _source(fn)
-        if source is None:
-            problems.append(f"the source of {_where(fn)} cannot be read")
-            continue
-        problems += [f"{_where(fn)} no longer contains {n!r}" for n in needles if n not in source]
-    for fn, source, table in ((LNLFunction.forward, "non_tensor_args", LNL_ARGS),
-                              (LNMLPFunction._forward, "non_tensor_args", LNMLP_ARGS),
-                              (LNMLPFunction.backward, "_recompute", LNMLP_RECOMPUTED)):
-        names = _unpacked_names(fn, source)
-        for name, index in table.items():
-            if index >= len(names) or names[index] != name:
-                problems.append(f"{_where(fn)}: {source}[{index}] is no longer {name!r}")
-    for cls, fields in ((LinearFwdArgs, LINEAR_FWD_FIELDS), (LinearBwdArgs, LINEAR_BWD_FIELDS)):
-        present = getattr(cls, "__dataclass_fields__", {})
-        problems += [f"{_where(cls)} has no field {name!r}" for name in fields if name not in present]
-    return problems
-
-
-_problems = _check_structure()
+_problems = structure_problems(
+    _SENTINELS,
+    ((LNLFunction.forward, "non_tensor_args", LNL_ARGS), (LNMLPFunction._forward, "non_tensor_args", LNMLP_ARGS),
+     (LNMLPFunction.backward, "_recompute", LNMLP_RECOMPUTED)),
+    ((LinearFwdArgs, LINEAR_FWD_FIELDS), (LinearBwdArgs, LINEAR_BWD_FIELDS)),
+)
 if _problems:
     raise UnsupportedTEError(
         f"TransformerEngine {VERSION}'s internals differ from what te_integration binds to: "

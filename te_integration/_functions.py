@@ -75,11 +75,15 @@ class ModuleAdapter:
 
 def seam_function(adapter: ModuleAdapter) -> type:
     """The seam subclass of ``adapter.function``, named as TE's."""
-    te_method = getattr(adapter.function, adapter.method)
-    te_backward = adapter.function.backward
+    # TE's methods are looked up at each call, as a call of TE's own Function
+    # finds them (a patch of TE's class made after install is honoured): a
+    # subscript of the live dict of the class that defines each, no Python call.
+    method = adapter.method
+    methods, backwards = _defining_dict(adapter.function, method), _defining_dict(adapter.function, "backward")
     begin, edit_ctx, run = adapter.begin, adapter.edit_ctx, adapter.run
 
     def managed(ctx, *args):
+        te_method = methods[method]
         started = begin(ctx, args)
         if started is None:  # a call TE handles itself, or a stock module's
             out = te_method(ctx, *args)
@@ -109,8 +113,8 @@ def seam_function(adapter: ModuleAdapter) -> type:
 
     def backward(ctx, *grads):
         if ctx._te_wm_backward is None and not _LEDGER.enabled:
-            return te_backward(ctx, *grads)
-        return run_backward(ctx, te_backward, grads)
+            return backwards["backward"](ctx, *grads)
+        return run_backward(ctx, backwards["backward"], grads)
 
     def body(namespace: dict) -> None:
         namespace.update({adapter.method: staticmethod(managed), "backward": staticmethod(backward),
@@ -120,3 +124,11 @@ def seam_function(adapter: ModuleAdapter) -> type:
     # types.new_class, so that torch's Function metaclass names the backward
     # node after TE's class, as stock TE's grad_fn is named.
     return types.new_class(adapter.function_name, (adapter.function,), {}, body)
+
+
+def _defining_dict(cls: type, name: str) -> Any:
+    """The live ``__dict__`` of the class in ``cls``'s MRO that defines ``name``."""
+    for owner in cls.__mro__:
+        if name in owner.__dict__:
+            return owner.__dict__
+    raise ImportError(f"te_integration: TE's {cls.__qualname__} has no {name}")

@@ -159,7 +159,7 @@ def faulted_step(module, recipe, setup: Setup, at: int | None) -> FaultReport:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     import te_integration as ti
-    from te_integration._seams import ACTIVE
+    from te_integration._call import ACTIVE
 
     keys = WEIGHT_KEYS[setup.kind]
     _, out1 = forward(module, recipe, 1, True)
@@ -180,7 +180,7 @@ def faulted_step(module, recipe, setup: Setup, at: int | None) -> FaultReport:
     report = FaultReport(
         raised=raised, releases=releases, cached_before=frozenset(cached), entries_unchanged=kept,
         dropped=dropped, cached_after=frozenset(module._fp8_workspaces), columnwise_before=columnwise_before,
-        columnwise_after=columnwise_after, active_after=ACTIVE.get(),
+        columnwise_after=columnwise_after, active_after=ACTIVE.module(),
         fp8_enabled_after=FP8GlobalStateManager.is_fp8_enabled(),
     )
     del cached

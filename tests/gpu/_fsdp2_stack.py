@@ -189,9 +189,9 @@ MICROBATCH_STACKS = (("stock", False, None), ("managed", True, None), ("managed_
 
 def run_microbatches(name: str, micro: int = 4) -> dict:
     import transformer_engine.pytorch as te
-    import te_integration._seams as seams
+    from te_integration._install import install
 
-    seams.install()  # stock modules then also pass through the counted name
+    install()  # stock modules then also pass through the counted name
     recipe = make_recipe(name)
     result = {"recipe": name, "microbatches": micro}
     for label, managed, policy in MICROBATCH_STACKS:
@@ -254,9 +254,9 @@ def attribution(name: str, quantized_init: bool, micro: int = 1, policy: str | N
     reshard_after_forward=False with that many microbatches. ``policy``: an
     ``explain`` policy name pinned on the drop-ins."""
     import te_integration as ti
-    import te_integration._seams as seams
+    from te_integration._install import install
 
-    seams.install()
+    install()
     recipe = make_recipe(name)
     result = {"recipe": name, "quantized_init": quantized_init, "microbatches": micro, "policy": policy}
     for label, managed in (("stock", False), ("managed", True)):

@@ -109,12 +109,16 @@ def _plan_shardings(layer) -> dict[str, list[str]]:
 
 
 def _in_flight(model) -> int:
-    """Drop-ins whose per-call state was not emptied (none between calls:
-    a weight left in it would stay alive)."""
-    import te_integration as ti
+    """Drop-in call records still on this thread's stack (none between
+    calls: ``ACTIVE.record is None``; a weight left in a record would stay
+    alive). ``model`` is unused: a call's state is its record, not its
+    module's."""
+    from te_integration._call import ACTIVE
 
-    states = [ti.workspace_state(m) for _, m in _drop_ins(model)]
-    return sum(s.pending is not None or s.weights != () for s in states)
+    depth, record = 0, ACTIVE.record
+    while record is not None:
+        depth, record = depth + 1, record.previous
+    return depth
 
 
 def _train_phase(model, opt, recipe, phase: Phase, first_step: int, managed: bool, meter: ForwardIncrement) -> dict:

@@ -78,7 +78,7 @@ def _train(model, recipe, scenario: str = "plain", steps: int = STEPS, first_ste
     backward thread sees at the start and at the end of each backward."""
     import torch
 
-    from te_integration._seams import ACTIVE
+    from te_integration._call import ACTIVE
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     seen = []
@@ -88,7 +88,7 @@ def _train(model, recipe, scenario: str = "plain", steps: int = STEPS, first_ste
             out = _call(model, x, recipe, scenario, micro == 0)
             if active is not None:
                 for t in (out, x):
-                    t.register_hook(lambda grad: active.append(ACTIVE.get()))
+                    t.register_hook(lambda grad: active.append(ACTIVE.module()))
             out.float().pow(2).mean().backward()
             seen += [out.detach(), x.grad]
         seen += [p.grad.clone() for p in model.parameters()]
@@ -193,12 +193,12 @@ def _inject(monkeypatch, weights: tuple, phase: str) -> None:
 
 
 def _failing_step(model, recipe, scenario: str) -> None:
-    import te_integration._seams as seams
+    from te_integration._call import ACTIVE
 
     x = _input(99, 0)
     with pytest.raises(InjectedFault):
         _call(model, x, recipe, scenario, True).float().pow(2).mean().backward()
-    assert seams.ACTIVE.get() is None
+    assert ACTIVE.module() is None
     for p in model.parameters():
         p.grad = None  # the failed step's partial gradients are discarded, in both twins
 

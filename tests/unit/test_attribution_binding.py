@@ -41,8 +41,9 @@ def attribution(monkeypatch):
         "TELayerNormLinear": type("_TELayerNormLinear", (torch.nn.Module,), {}),
         "TELayerNormMLP": type("_TELayerNormMLP", (torch.nn.Module,), {}),
     }
-    loaded = load_binding(monkeypatch, compat, "_attribution", "_state")
+    loaded = load_binding(monkeypatch, compat, "_attribution", "_state", "_levers")
     loaded["_attribution"].state_module = loaded["_state"]
+    loaded["_attribution"].levers_module = loaded["_levers"]
     return loaded["_attribution"]
 
 
@@ -152,9 +153,9 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
     layer = ToyLinear(attribution, managed=True)
     q = Float8PerTensorQuantizer().quantize(layer.weight, rowwise=True, columnwise=False)
     layer._fp8_workspaces["weight"] = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise)
-    state = attribution.state_module.ModuleWorkspaceState("linear")
+    state = attribution.state_module.ModuleWorkspaceState(attribution.state_module.ModuleKind.LINEAR)
     ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.NONE)
-    state.remember(attribution.state_module.levers_from_plan("weight", ctx, _plan()))
+    state.remember(attribution.levers_module.levers_from_plan("weight", ctx, _plan()))
     layer.__dict__["_wm_state"] = state
     model = torch.nn.Sequential(layer)
     assert not attribution.LEDGER.enabled
@@ -193,7 +194,7 @@ def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
         param._quantizer = q
 
         class DropIn(_TELinear):
-            _wm_kind, _wm_state = "linear", None  # what state_of reads of a drop-in
+            _wm_kind, _wm_state = attribution.state_module.ModuleKind.LINEAR, None  # what state_of reads of a drop-in
 
             def named_parameters(self, *args, **kwargs):  # a quantized parameter, as quantized_model_init makes
                 yield "weight", param

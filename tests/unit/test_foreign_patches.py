@@ -46,6 +46,8 @@ class _StandInTE:
             "LinearFunction": self.linear._Linear, "LNLFunction": self.lnl._LayerNormLinear,
             "LNMLPFunction": self.lnmlp._LayerNormMLP, "TELinear": mod, "TELayerNormLinear": mod,
             "TELayerNormMLP": mod, "QuantizedTensorStorage": type("_Storage", (), {}),
+            "LNL_ARGS": {}, "LNMLP_ARGS": {}, "mha_module": types.ModuleType("te.mha"),
+            "transformer_module": types.ModuleType("te.transformer"),
         }
 
     def holders(self) -> dict:
@@ -71,17 +73,25 @@ def _foreign_for(te: _StandInTE, where: str, name: str):
 
 
 def _load(monkeypatch, te: _StandInTE):
-    return load_binding(monkeypatch, te.compat(), "_steps", "_attribution", "_state", "_foreign", "_seams")
+    return load_binding(monkeypatch, te.compat(), "_step_hook", "_attribution", "_state", "_foreign_patches",
+                        "_call", "_quantize", "_install")
+
+
+def _seam_function(binding, name: str) -> type:
+    """The installed Function seam that replaces TE's ``name``."""
+    kind = binding["_state"].ModuleKind
+    by_name = {"_Linear": kind.LINEAR, "_LayerNormLinear": kind.LAYERNORM_LINEAR, "_LayerNormMLP": kind.LAYERNORM_MLP}
+    return binding["_install"].SEAM_FUNCTIONS[by_name[name]]
 
 
 def test_install_puts_every_seam_in_place_once(monkeypatch):
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
+    seams = binding["_install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     seams.install()
-    ours = {"quantize_weight": seams.managed_quantize_weight, "_Linear": seams._Linear,
-            "_LayerNormLinear": seams._LayerNormLinear, "_LayerNormMLP": seams._LayerNormMLP}
+    ours = {"quantize_weight": binding["_quantize"].managed_quantize_weight,
+            **{n: _seam_function(binding, n) for n in ("_Linear", "_LayerNormLinear", "_LayerNormMLP")}}
     assert te.holders() == {
         f"{getattr(te, w).__name__}.{n}": ours[n] for w, n in SEAMED}
     seams.install()  # a second call changes nothing and does not raise
@@ -96,21 +106,21 @@ def test_a_foreign_patch_is_refused_and_kept(monkeypatch, where, name, order):
     if order == "before_import":
         setattr(module, name, _foreign_for(te, where, name))
     binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
+    seams = binding["_install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     if order == "over_installed_seam":
         seams.install()
     if order != "before_import":
         setattr(module, name, _foreign_for(te, where, name))
     foreign, before = getattr(module, name), te.holders()
-    with pytest.raises(binding["_foreign"].ForeignPatchError) as info:
+    with pytest.raises(binding["_foreign_patches"].ForeignPatchError) as info:
         seams.install()
     message = str(info.value)
     assert f"{module.__name__}.{name} is otherlib.patches.{name}, neither TE's" in message
     assert "Nothing was changed" in message
     assert te.holders() == before  # nothing moved: the foreign patch is kept
     assert getattr(module, name) is foreign
-    with pytest.raises(binding["_foreign"].ForeignPatchError):
+    with pytest.raises(binding["_foreign_patches"].ForeignPatchError):
         seams.install()  # and every later managed forward is refused too, not only the first
 
 
@@ -118,11 +128,11 @@ def test_a_wrapper_keeping_tes_name_is_still_foreign(monkeypatch):
     """``functools.wraps`` copies TE's module and qualname; ``__wrapped__`` gives it away."""
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
+    seams = binding["_install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     original = te.lnl.quantize_weight
     te.lnl.quantize_weight = functools.wraps(original)(lambda **kw: original(**kw))
-    with pytest.raises(binding["_foreign"].ForeignPatchError, match="layernorm_linear.quantize_weight is"):
+    with pytest.raises(binding["_foreign_patches"].ForeignPatchError, match="layernorm_linear.quantize_weight is"):
         seams.install()
 
 
@@ -134,9 +144,9 @@ def test_a_class_patched_at_import_and_removed_later_is_still_refused(monkeypatc
     te.linear._Linear = _foreign_for(te, "linear", "_Linear")
     binding = _load(monkeypatch, te)
     te.linear._Linear = original
-    seams = binding["_seams"]
+    seams = binding["_install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
-    with pytest.raises(binding["_foreign"].ForeignPatchError, match="when te_integration was imported"):
+    with pytest.raises(binding["_foreign_patches"].ForeignPatchError, match="when te_integration was imported"):
         seams.install()
     assert te.linear._Linear is original and te.lnl.quantize_weight is te.base.quantize_weight
 
@@ -164,23 +174,23 @@ def test_a_patch_over_installed_seams_is_refused_at_a_drop_ins_first_forward(mon
         with pytest.raises(RuntimeError, match="linear.quantize_weight is otherlib.patches") as info:
             second(torch.randn(4, 8))
         assert type(info.value).__name__ == "ForeignPatchError"
-        assert linear.quantize_weight is patched and ti.seams.ACTIVE.get() is None
+        assert linear.quantize_weight is patched and ti.call.ACTIVE.module() is None
 
 
 # -- uninstall ---------------------------------------------------------------------
 def _installed(monkeypatch):
-    """A stand-in TE with the seams installed: (te, binding, its _seams)."""
+    """A stand-in TE with the seams installed: (te, binding, its _install)."""
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    monkeypatch.setattr(binding["_seams"], "INSTALLED", False)
-    binding["_seams"].install()
-    return te, binding, binding["_seams"]
+    monkeypatch.setattr(binding["_install"], "INSTALLED", False)
+    binding["_install"].install()
+    return te, binding, binding["_install"]
 
 
 def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monkeypatch):
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_seams"]
+    seams = binding["_install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     tes_own = te.holders()
     seams.uninstall()  # before any install: nothing to do
@@ -190,7 +200,7 @@ def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monke
     seams.uninstall()
     assert te.holders() == tes_own and seams.INSTALLED is False
     seams.install()
-    assert seams._LayerNormMLP is te.lnmlp._LayerNormMLP and seams.INSTALLED is True
+    assert _seam_function(binding, "_LayerNormMLP") is te.lnmlp._LayerNormMLP and seams.INSTALLED is True
 
 
 @pytest.mark.parametrize("where, name", SEAMED, ids=[f"{w}.{n}" for w, n in SEAMED])
@@ -199,17 +209,21 @@ def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch
     module = getattr(te, where)
     setattr(module, name, _foreign_for(te, where, name))
     before = te.holders()
-    with pytest.raises(binding["_foreign"].ForeignPatchError, match=r"cannot take its seams out.*Nothing was changed"):
+    with pytest.raises(binding["_foreign_patches"].ForeignPatchError,
+                       match=r"cannot take its seams out.*Nothing was changed"):
         seams.uninstall()
     assert te.holders() == before and seams.INSTALLED is True
 
 
 def test_uninstall_refuses_inside_a_drop_ins_forward(monkeypatch):
     te, binding, seams = _installed(monkeypatch)
-    token = seams.ACTIVE.set(object())
+    call = binding["_call"]
+    state = binding["_state"].ModuleWorkspaceState(binding["_state"].ModuleKind.LINEAR)
+    record = call.new_record(object(), state, None, call.ACTIVE.record)
+    call.ACTIVE.record = record
     try:
         with pytest.raises(RuntimeError, match="inside a drop-in's forward"):
             seams.uninstall()
     finally:
-        seams.ACTIVE.reset(token)
+        call.ACTIVE.record = record.previous
     assert seams.INSTALLED is True

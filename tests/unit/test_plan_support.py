@@ -1,5 +1,5 @@
 """Which valid plans the binding carries out, and the clear refusal of the
-rest (te_integration/_support.py), on CPU against a stand-in TE.
+rest (te_integration/_plan_support.py), on CPU against a stand-in TE.
 
 Also D9 (a backward rebuild builds only what dgrad reads) and D7 (a TE
 distributed weight is planned by the policy), driven through the public
@@ -8,6 +8,7 @@ distributed weight is planned by the policy), driven through the public
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass
 
@@ -41,7 +42,11 @@ from workspace_manager._explain import POLICY_CHOICES, _policy_choices
 def ti(monkeypatch):
     LinearFunction.fail_backward = False
     LinearFunction.rebuilt.clear()
-    return load_full_binding(monkeypatch)
+    ti = load_full_binding(monkeypatch)
+    # Loaded with the binding (``_state`` imports them), against the same stand-in.
+    ti.plan_support = importlib.import_module("te_integration._plan_support")
+    ti.rebuild = importlib.import_module("te_integration._rebuild")
+    return ti
 
 
 def _contexts():
@@ -68,7 +73,7 @@ def test_every_plan_of_a_shipped_policy_is_carried_out(ti, name):
         except PolicyMismatchError:
             continue
         planned += 1
-        assert ti.support.unsupported_reason(ctx, plan) is None, (ctx, plan.summary())
+        assert ti.plan_support.unsupported_reason(ctx, plan) is None, (ctx, plan.summary())
     assert planned > 100
 
 
@@ -88,7 +93,7 @@ def test_a_shipped_policy_plans_both_passes_of_a_non_reentrant_checkpoint_alike(
         except PolicyMismatchError:
             continue
         checked += 1
-        assert ti.support.recompute_mismatch_reason(first, again) is None, (ctx, first.summary(), again.summary())
+        assert ti.plan_support.recompute_mismatch_reason(first, again) is None, (ctx, first.summary(), again.summary())
     assert checked > 10
 
 
@@ -114,13 +119,13 @@ def test_a_bypassed_first_pass_and_a_filling_recompute_pass_are_refused(ti):
                            microbatch=Microbatch.FIRST)
     base = replace(WorkspacePolicy().plan(ctx), forward_usage=Usage.ROWWISE, columnwise_source=ColumnwiseSource.DERIVED)
     filling, bypass = replace(base, cache=CacheAction.FILL), replace(base, cache=CacheAction.BYPASS)
-    assert ti.support.recompute_mismatch_reason(filling, filling) is None
-    reason = ti.support.recompute_mismatch_reason(bypass, filling)
+    assert ti.plan_support.recompute_mismatch_reason(filling, filling) is None
+    reason = ti.plan_support.recompute_mismatch_reason(bypass, filling)
     assert reason is not None and "cache is bypass" in reason and "fill" in reason
     # Both usages built in forward: a cache entry and a fresh workspace save the same tensors.
     both = replace(filling, forward_usage=Usage.BOTH, columnwise_source=ColumnwiseSource.FORWARD)
-    assert ti.support.recompute_mismatch_reason(replace(both, cache=CacheAction.BYPASS), both) is None
-    assert "forward_usage" in ti.support.recompute_mismatch_reason(both, filling)
+    assert ti.plan_support.recompute_mismatch_reason(replace(both, cache=CacheAction.BYPASS), both) is None
+    assert "forward_usage" in ti.plan_support.recompute_mismatch_reason(both, filling)
 
 
 def test_a_non_reentrant_checkpoint_refuses_passes_that_keep_different_things(ti):
@@ -131,7 +136,7 @@ def test_a_non_reentrant_checkpoint_refuses_passes_that_keep_different_things(ti
     with pytest.raises(UnsupportedPlanError, match=r"backward_source is requantize in a non-reentrant checkpoint's "
                                                    r"first pass but saved_workspace in its recompute pass"):
         checkpoint(managed, x, use_reentrant=False)
-    assert ti.seams.ACTIVE.get() is None
+    assert ti.call.ACTIVE.module() is None
     # A reentrant checkpoint's first pass saves nothing: the same policy runs there.
     checkpoint(managed, x, use_reentrant=True).sum().backward()
     assert x.grad is not None
@@ -162,7 +167,7 @@ def test_a_plan_te_cannot_carry_out_is_refused_naming_the_field_before_te_runs(t
     with pytest.raises(UnsupportedPlanError, match=r"backward_source=high_precision needs backward_override"):
         managed(torch.randn(4, 8, requires_grad=True))
     assert gemms == []  # refused at planning: TE's forward never ran
-    assert ti.seams.ACTIVE.get() is None
+    assert ti.call.ACTIVE.module() is None
 
 
 def test_the_refusal_names_the_context(ti):
@@ -184,9 +189,10 @@ def test_unsupported_reason_names_the_field(ti, field, plan_fields, reason):
     weight = WeightSource.HIGH_PRECISION if field == "backward_source" else WeightSource.QUANTIZED_PARAM
     ctx = WorkspaceContext(capabilities=PROFILES["float8_current_scaling"], sharding=Sharding.NONE, weight=weight)
     plan = WorkspacePolicy().plan(ctx)
-    assert ti.support.unsupported_reason(ctx, plan) is None
+    assert ti.plan_support.unsupported_reason(ctx, plan) is None
     changed = replace(plan, **plan_fields)
-    assert reason in ti.support.unsupported_reason(ctx, changed) and field in ti.support.unsupported_reason(ctx, changed)
+    refusal = ti.plan_support.unsupported_reason(ctx, changed)
+    assert reason in refusal and field in refusal
 
 
 def test_a_backward_rebuild_builds_only_the_columnwise_data_dgrad_reads(ti):
@@ -205,7 +211,7 @@ def test_a_backward_rebuild_builds_only_the_columnwise_data_dgrad_reads(ti):
 
 
 def test_a_distributed_weight_is_planned_by_its_policy_and_never_cached(ti, monkeypatch):
-    monkeypatch.setattr(ti.seams.te, "is_distributed_weight", lambda w: bool(getattr(w, "is_distributed_weight", 0)))
+    monkeypatch.setattr(ti.call.te, "is_distributed_weight", lambda w: bool(getattr(w, "is_distributed_weight", 0)))
     managed = ti.modules.convert_model(TELinear(8, 8, seed=5))
     managed.weight.is_distributed_weight = True
     for first in (True, False):
@@ -248,7 +254,7 @@ def test_a_format_that_cannot_build_columnwise_alone_builds_both_and_keeps_colum
     from workspace_manager import Usage
 
     quantizer = _NoColumnwiseOnly()
-    rebuild = ti.state.RebuildQuantizer(quantizer, Usage.COLUMNWISE)
+    rebuild = ti.rebuild.RebuildQuantizer(quantizer, Usage.COLUMNWISE)
     rebuild.set_usage(rowwise=True, columnwise=True)  # TE's request, ignored
     first, second = rebuild(torch.ones(2)), rebuild(torch.ones(2))
     assert (first.rowwise, first.columnwise) == (second.rowwise, second.columnwise) == (False, True)

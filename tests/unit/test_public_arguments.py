@@ -45,10 +45,14 @@ def ti(monkeypatch):
         "LinearFunction": type("_Linear", (), dict(function)), "LNLFunction": type("_LNL", (), dict(function)),
         "LNMLPFunction": type("_LNMLP", (), dict(function)),
         "no_torch_dynamo": lambda *a, **k: (lambda fn: fn), "mha_module": mha, "transformer_module": transformer,
+        "LNL_ARGS": {}, "LNMLP_ARGS": {}, "linear_module": types.ModuleType("te.linear"),
+        "lnl_module": types.ModuleType("te.layernorm_linear"), "lnmlp_module": types.ModuleType("te.layernorm_mlp"),
     }
-    names = ("_args", "_steps", "_attribution", "_state", "_foreign", "_seams", "_shards", "_modules")
+    names = ("_argument_checks", "_step_hook", "_attribution", "_state", "_foreign_patches", "_install", "_shards",
+             "_modules", "_construction")
     loaded = load_binding(monkeypatch, compat, *names)
     ns = types.SimpleNamespace(**{n: getattr(loaded["_modules"], n) for n in loaded["_modules"].__all__})
+    ns.managed_construction = loaded["_construction"].managed_construction
     ns.workspace_report = loaded["_attribution"].workspace_report
     ns.record_workspaces = loaded["_attribution"].record_workspaces
     ns.mha, ns.transformer = mha, transformer

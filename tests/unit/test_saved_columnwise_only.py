@@ -20,12 +20,12 @@ from workspace_manager import RECIPE_PROFILES
 def binding(monkeypatch):
     from _fake_te import compat
 
-    return load_binding(monkeypatch, compat(), "_attribution", "_state", "_seams")
+    return load_binding(monkeypatch, compat(), "_attribution", "_state", "_levers", "_saved_tensors")
 
 
 def _levers(binding, **fields):
     ctx = WorkspaceContext(capabilities=RECIPE_PROFILES["Float8CurrentScaling"], **fields)
-    return binding["_state"].levers_from_plan("weight", ctx, select_policy(ctx).plan(ctx))
+    return binding["_levers"].levers_from_plan("weight", ctx, select_policy(ctx).plan(ctx))
 
 
 def test_plain_training_saves_columnwise_only(binding):
@@ -50,9 +50,9 @@ class _Saves(torch.autograd.Function):
     seen: list = []
 
     @staticmethod
-    def forward(ctx, x, rowwise, columnwise, scale, seams):
+    def forward(ctx, x, rowwise, columnwise, scale, saved_tensors):
         ctx.save_for_backward(rowwise, columnwise, scale)
-        seams._save_columnwise_only(ctx, [rowwise])
+        saved_tensors.save_columnwise_only(ctx, [rowwise])
         return x * 2
 
     @staticmethod
@@ -62,11 +62,11 @@ class _Saves(torch.autograd.Function):
 
 
 def test_a_dropped_rowwise_tensor_reaches_backward_as_none_and_is_freed(binding):
-    seams = binding["_seams"]
+    saved_tensors = binding["_saved_tensors"]
     x = torch.ones(3, requires_grad=True)
     rowwise, columnwise, scale = torch.ones(4), torch.full((4,), 2.0), torch.tensor(3.0)
     alive = weakref.ref(rowwise)
-    out = _Saves.apply(x, rowwise, columnwise, scale, seams)
+    out = _Saves.apply(x, rowwise, columnwise, scale, saved_tensors)
     del rowwise
     gc.collect()
     assert alive() is None  # nothing holds the rowwise data any more
@@ -76,7 +76,7 @@ def test_a_dropped_rowwise_tensor_reaches_backward_as_none_and_is_freed(binding)
 
 
 def test_rowwise_parts_follow_each_storage_layout(binding):
-    parts = binding["_seams"]._rowwise_parts
+    parts = binding["_saved_tensors"].rowwise_parts
     data, transpose, scale = torch.ones(2), torch.ones(2), torch.ones(1)
     fp8 = SimpleNamespace(_data=data, _transpose=transpose, _transpose_invalid=False, _scale_inv=scale)
     assert parts(fp8) == [data]  # the scale serves both directions

@@ -43,10 +43,10 @@ def test_a_stock_module_runs_tes_code_untouched_after_uninstall(ti):
     binding, te_calls = _python_calls(stock_call)
     assert binding == 0 and te_calls > 0  # before any install: TE's code alone
     out = managed(x)  # the first drop-in call installs the seams
-    assert ti.seams.INSTALLED
+    assert ti.install.INSTALLED
     assert _python_calls(stock_call)[0] > 0  # installed seams: stock calls pass through them
-    ti.seams.uninstall()  # te_integration.uninstall_seams
-    assert not ti.seams.INSTALLED
+    ti.install.uninstall()  # te_integration.uninstall_seams
+    assert not ti.install.INSTALLED
     assert _python_calls(stock_call) == (0, te_calls)
     again = managed(x)  # the next drop-in call installs them again
-    assert ti.seams.INSTALLED and torch.equal(out, again)
+    assert ti.install.INSTALLED and torch.equal(out, again)

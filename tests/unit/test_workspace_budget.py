@@ -29,7 +29,7 @@ KEEP = KeepForBackwardWorkspacePolicy()
 
 @pytest.fixture
 def binding(monkeypatch):
-    mods = load_binding(monkeypatch, compat(), "_steps", "_attribution", "_state", "_shards", "_seams", "_modules",
+    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_install", "_modules",
                         "_budget")
     return mods["_modules"], mods["_budget"]
 
