@@ -16,10 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from workspace_manager import (
-    BackwardOverride,
-    Microbatch,
-    RecomputePass,
-    RecomputeScope,
+    CallShape,
     Usage,
     WeightSource,
     plan_call,
@@ -69,10 +66,9 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     """The drop-in ``module``'s plan for a training call on a quantized
     parameter made by ``quantizer`` (what its shards keep, what is released)."""
     state = state_of(module)
-    _, plan = plan_call(state.policy, quantizer_capabilities(quantizer), state.sharding(module),
-                        RecomputePass.NONE, RecomputeScope.REGION, True, True, WeightSource.QUANTIZED_PARAM,
-                        Microbatch.NONE, BackwardOverride.NONE)
-    return plan
+    shape = CallShape(capabilities=quantizer_capabilities(quantizer), sharding=state.sharding(module),
+                      weight=WeightSource.QUANTIZED_PARAM)
+    return plan_call(state.policy, shape).plan
 
 
 def _retrim_tracked() -> None:

@@ -19,13 +19,14 @@ the memo when quantizer registrations change).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from workspace_manager import (
     BackwardOverride,
     BackwardSource,
     CacheAction,
+    CallShape,
     Microbatch,
     RecomputePass,
     RecomputeScope,
@@ -316,18 +317,20 @@ class ModuleWorkspaceState:
 
     def _plan(self, shape: tuple, quantizer: Any) -> Levers:
         key, _, is_qp, grad, input_rg, first, override, recompute, module_scope, sharding = shape
-        context, plan = plan_call(
-            self._policy, quantizer_capabilities(quantizer), SHARDINGS[sharding], RECOMPUTE_CODES[recompute],
-            RecomputeScope.MODULE if module_scope else RecomputeScope.REGION, grad, input_rg,
-            WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
-            Microbatch.from_is_first_microbatch(first), BackwardOverride.from_te(override),
+        call = CallShape(
+            capabilities=quantizer_capabilities(quantizer), sharding=SHARDINGS[sharding],
+            recompute=RECOMPUTE_CODES[recompute],
+            recompute_scope=RecomputeScope.MODULE if module_scope else RecomputeScope.REGION,
+            grad_enabled=grad, input_requires_grad=input_rg,
+            weight=WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
+            microbatch=Microbatch.from_is_first_microbatch(first), backward_override=BackwardOverride.from_te(override),
         )
+        planned = plan_call(self._policy, call)
+        context, plan = planned.context, planned.plan
         require_supported(key, context, plan)
         if context.recompute is RecomputePass.FIRST and context.grad_enabled and not module_scope:
             # Only a non-reentrant checkpoint's first pass runs with grad on.
-            _, replanned = plan_call(self._policy, context.capabilities, context.sharding, RecomputePass.RECOMPUTE,
-                                     context.recompute_scope, True, input_rg, context.weight, context.microbatch,
-                                     context.backward_override)
+            replanned = plan_call(self._policy, replace(call, recompute=RecomputePass.RECOMPUTE, grad_enabled=True)).plan
             require_same_passes(key, context, plan, replanned)
         return levers_from_plan(key, context, plan)
 

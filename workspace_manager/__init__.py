@@ -61,7 +61,15 @@ from ._registry import (
     quantizer_capabilities,
     register_quantizer,
 )
-from ._selection import POLICY_NAMES, named_policy, plan_call, resolve_policy, select_policy
+from ._selection import (
+    POLICY_NAMES,
+    CallShape,
+    PlannedCall,
+    named_policy,
+    plan_call,
+    resolve_policy,
+    select_policy,
+)
 
 __version__ = "0.1.0"
 
@@ -94,6 +102,8 @@ __all__ = [
     "select_policy",
     "resolve_policy",
     "plan_call",
+    "CallShape",
+    "PlannedCall",
     "named_policy",
     "POLICY_NAMES",
     # attribution: who holds which quantized bytes, and why

@@ -9,6 +9,7 @@ workspace.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ._context import (
     BackwardOverride,
@@ -34,7 +35,9 @@ from ._policy import (
     base_policy_for,
 )
 
-__all__ = ["select_policy", "resolve_policy", "plan_call", "named_policy", "POLICY_NAMES"]
+__all__ = [
+    "select_policy", "resolve_policy", "plan_call", "CallShape", "PlannedCall", "named_policy", "POLICY_NAMES",
+]
 
 #: The shipped policies by name: with their defaults, then with an option
 #: switched on (off by default: docs/decisions.md, D3 and D4). ``explain
@@ -96,39 +99,58 @@ def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None)
     return pinned
 
 
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """One module call's shape: the arguments of its :class:`WorkspaceContext`,
+    by name, with the same defaults, as :func:`plan_call` takes them.
+
+    Frozen and hashable, so that it keys the memo of plans; it checks
+    nothing itself (the context built from it does, on every call that is
+    not memoized)."""
+
+    capabilities: QuantizerCapabilities
+    sharding: Sharding = Sharding.NONE
+    recompute: RecomputePass = RecomputePass.NONE
+    recompute_scope: RecomputeScope = RecomputeScope.REGION
+    grad_enabled: bool = True
+    input_requires_grad: bool = True
+    weight: WeightSource = WeightSource.HIGH_PRECISION
+    microbatch: Microbatch = Microbatch.NONE
+    backward_override: BackwardOverride = BackwardOverride.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCall:
+    """What :func:`plan_call` returns: the call's context and its plan."""
+
+    context: WorkspaceContext
+    plan: WorkspacePlan
+
+
 @functools.lru_cache(maxsize=4096)
-def plan_call(
-    pinned: WorkspacePolicy | None,
-    capabilities: QuantizerCapabilities,
-    sharding: Sharding,
-    recompute: RecomputePass,
-    recompute_scope: RecomputeScope,
-    grad_enabled: bool,
-    input_requires_grad: bool,
-    weight: WeightSource,
-    microbatch: Microbatch,
-    backward_override: BackwardOverride,
-) -> tuple[WorkspaceContext, WorkspacePlan]:
-    """The context and plan of one module call, memoized per call shape.
-    The arguments after ``pinned`` are the context's fields, in order.
+def plan_call(pinned: WorkspacePolicy | None, shape: CallShape) -> PlannedCall:
+    """The context and plan of one module call, memoized per ``(pinned,
+    shape)``; ``pinned`` as for :func:`resolve_policy`.
 
     Bindings call this on every weight of every call. Building and checking
     a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
     training step repeats a handful of shapes, so each shape is described
     and planned once per process. Sound because contexts are built from
-    these arguments alone and policies are frozen and pure (a policy's plan
+    the shape alone and policies are frozen and pure (a policy's plan
     depends on nothing but the context). Errors are not memoized: a call
     that fails fails again.
     """
+    if not isinstance(shape, CallShape):
+        raise ContextTypeError(f"plan_call expects a CallShape; received {type(shape).__name__}")
     ctx = WorkspaceContext(
-        capabilities=capabilities,
-        sharding=sharding,
-        recompute=recompute,
-        recompute_scope=recompute_scope,
-        grad_enabled=grad_enabled,
-        input_requires_grad=input_requires_grad,
-        weight=weight,
-        microbatch=microbatch,
-        backward_override=backward_override,
+        capabilities=shape.capabilities,
+        sharding=shape.sharding,
+        recompute=shape.recompute,
+        recompute_scope=shape.recompute_scope,
+        grad_enabled=shape.grad_enabled,
+        input_requires_grad=shape.input_requires_grad,
+        weight=shape.weight,
+        microbatch=shape.microbatch,
+        backward_override=shape.backward_override,
     )
-    return ctx, resolve_policy(ctx, pinned).plan(ctx)
+    return PlannedCall(context=ctx, plan=resolve_policy(ctx, pinned).plan(ctx))
