@@ -80,7 +80,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
     from dataclasses import fields
 
-    from workspace_manager import WorkspaceContext, WorkspaceLedger, plan_call, resolve_policy, select_policy
+    from workspace_manager import CallShape, WorkspaceContext, WorkspaceLedger, plan_call, resolve_policy, select_policy
 
     # A memo of plans alone, keyed by the frozen (policy, context).
     memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
@@ -92,10 +92,10 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         ctx = WorkspaceContext(**kw)
         return resolve_policy(ctx, None).plan(ctx)
 
-    def binding_path(args):
+    def binding_path(shape):
         # What ManagedCall.plan_weight runs per weight, less the registry
         # lookup: the context and plan memoized per call shape.
-        return plan_call(None, *args)
+        return plan_call(None, shape)
 
     ledger = WorkspaceLedger()  # recording off, as by default
 
@@ -107,7 +107,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
 
     pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
     kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
-    args = [tuple(kw.values()) for kw in kwargs]
+    shapes = [CallShape(**kw) for kw in kwargs]
     return {
         "no-op": (noop, ctxs),
         "select_policy(ctx).plan(ctx)": (lambda ctx: select_policy(ctx).plan(ctx), ctxs),
@@ -116,7 +116,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
                                                   pinned),
         "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
         "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
-        "binding path: plan_call (context and plan memoized per call shape)": (binding_path, args),
+        "binding path: plan_call (context and plan memoized per call shape)": (binding_path, shapes),
         "attribution off: the seams' check per call": (attribution_off, ctxs),
     }
 

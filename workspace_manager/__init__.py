@@ -61,7 +61,15 @@ from ._registry import (
     quantizer_capabilities,
     register_quantizer,
 )
-from ._selection import POLICY_NAMES, CallShape, PlannedCall, named_policy, plan_call, resolve_policy, select_policy
+from ._selection import (
+    POLICY_NAMES,
+    CallShape,
+    PlannedCall,
+    named_policy,
+    plan_call,
+    resolve_policy,
+    select_policy,
+)
 
 __version__ = "0.1.0"
 

@@ -15,6 +15,10 @@ seven fields:
 ``notes`` says why, in words. A policy answers the four decisions through
 six methods, one per chosen field: ``cache_action``, ``forward_usage``,
 ``parameter_keeps``, ``backward_source``, ``columnwise_source``, ``release``.
+That is the one policy protocol. A recompute pass is not a seventh policy
+but a transform: ``recompute_pass_plan`` turns the plan the inner policy
+makes for the step's real forward (``inner_policy_context``) into the
+pass's plan; ``RecomputeWorkspacePolicy(inner)`` applies it.
 
 The life per policy, for one training step (F = forward, B = backward,
 layer i of n; "row" and "col" are the rowwise and columnwise data)::
@@ -45,11 +49,11 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
     first pass F_i (non-reentrant, grad on): the recompute pass's plan, so
     that both passes save the same tensors (backward matches them by position)
     recompute pass F_i: cache READ_ONLY, never written ─► quantize row+col
-    ─► saved ─► B_i follows at once ─► freed; the inner policy decides
+    ─► saved ─► B_i follows at once ─► freed; the inner plan decides
     caching and what is released.
-    te.checkpoint (RecomputeScope.REGION) with an inner policy that
+    te.checkpoint (RecomputeScope.REGION) with an inner plan that
     requantizes in backward (FSDP2): recompute pass F_i quantizes row ─►
-    nothing saved; B_i quantizes col as the inner policy does, as TE does.
+    nothing saved; B_i quantizes col as the inner plan does, as TE does.
     option recompute_copy=RecomputeCopy.BUILD_ONCE (quantizers that
     requantize exactly): that pass too quantizes row+col ─► saved ─► B_i
     quantizes nothing.
@@ -90,7 +94,7 @@ from ._context import (
     Sharding,
     WorkspaceContext,
 )
-from ._errors import ContextTypeError, PolicyMismatchError
+from ._errors import ContextTypeError, InvalidContextError, PolicyMismatchError
 from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
@@ -105,6 +109,8 @@ __all__ = [
     "DistributedWeightWorkspacePolicy",
     "backward_usage",
     "base_policy_for",
+    "inner_policy_context",
+    "recompute_pass_plan",
 ]
 
 
@@ -170,6 +176,25 @@ def _source_without_rebuild(ctx: WorkspaceContext) -> BackwardSource:
     return BackwardSource.SAVED_WORKSPACE
 
 
+def _requantizes_exactly(ctx: WorkspaceContext) -> bool:
+    """Quantizing this call's weight again reproduces the first quantization
+    bit for bit (the capability ``requantization_safe``). The gate of every
+    plan in which one quantization stands in for another: a microbatch cache
+    under FSDP2 (D4), a recompute pass's copy kept for backward (D3), a
+    cache a module's own recompute reads, and the lean and keep-for-backward
+    options."""
+    return ctx.capabilities.requantization_safe
+
+
+def _copy_and_rebuild_agree(ctx: WorkspaceContext) -> bool:
+    """Forward's copy and a backward rebuild are the same bytes, so a policy
+    may keep the one or build the other: a high-precision weight (a
+    quantized parameter is its own workspace, with nothing to rebuild from)
+    whose quantizer requantizes exactly. The predicate of the lean and the
+    keep-for-backward options; other calls are planned as without them."""
+    return not ctx.is_quantized_param and _requantizes_exactly(ctx)
+
+
 def _cache_by_microbatch(ctx: WorkspaceContext) -> CacheAction:
     """TE's rule: the cache is used only when the caller says where in the
     microbatch sequence it is, and never for a quantized parameter."""
@@ -198,19 +223,19 @@ class WorkspacePolicy:
     lifetime] in this module says which field answers which decision.
     """
 
-    #: Weight distributions this policy plans for.
-    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.NONE})
+    #: Weight distributions this policy plans for. An attribute of every
+    #: policy, read on the class or the instance: fixed per class here and in
+    #: the shipped subclasses, while RecomputeWorkspacePolicy takes its inner
+    #: policy's per instance (so it is not declared a ClassVar).
+    shardings = frozenset({Sharding.NONE})
     #: Short name used by tables, the CLI and error messages.
     label: ClassVar[str] = "plain"
-    #: Backward obtains the weight again by itself (a distributed weight), so
-    #: nothing forward builds can serve it, not even in a recompute pass.
-    backward_regathers: ClassVar[bool] = False
 
     def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
         """Decide the workspace's fate for one call. Pure: the same context
         always gives the same plan."""
         self.check_context(ctx)
-        return self._plan_unchecked(ctx)
+        return _ask(self, ctx)
 
     def covers(self, ctx: WorkspaceContext) -> bool:
         return ctx.sharding in self.shardings and ctx.recompute is RecomputePass.NONE
@@ -225,9 +250,6 @@ class WorkspacePolicy:
                 f"recompute=RecomputePass.{ctx.recompute.name}. Wrap it: "
                 f"RecomputeWorkspacePolicy(inner={type(self).__name__}()), or let select_policy choose."
             )
-
-    def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        return _ask(self, ctx)
 
     # -- the six methods, one per chosen plan field -------------------------
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
@@ -267,14 +289,14 @@ def _require_context(policy: WorkspacePolicy, ctx: object) -> None:
         )
 
 
-def _ask(questions: WorkspacePolicy | _RecomputeCall, ctx: WorkspaceContext) -> WorkspacePlan:
-    """Ask a policy's questions about one call, in order, and assemble the plan."""
-    cache = questions.cache_action(ctx)
-    forward = questions.forward_usage(ctx, cache)
-    source = questions.backward_source(ctx, cache)
-    columnwise = questions.columnwise_source(ctx, source, forward)
-    release = questions.release(ctx, cache)
-    keeps = questions.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
+def _ask(policy: WorkspacePolicy, ctx: WorkspaceContext) -> WorkspacePlan:
+    """Call a policy's six methods about one call, in order, and assemble the plan."""
+    cache = policy.cache_action(ctx)
+    forward = policy.forward_usage(ctx, cache)
+    source = policy.backward_source(ctx, cache)
+    columnwise = policy.columnwise_source(ctx, source, forward)
+    release = policy.release(ctx, cache)
+    keeps = policy.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
     return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
 
 
@@ -336,7 +358,7 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
     step-time gain has been measured (docs/decisions.md, D4).
     """
 
-    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
+    shardings = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
     label: ClassVar[str] = "fsdp2"
     microbatch_cache: MicrobatchCache = MicrobatchCache.OFF
 
@@ -352,7 +374,7 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
             # cached quantized copy would keep it alive per layer. Without
             # grad there is no backward to drop the cache after.
             return CacheAction.BYPASS
-        if not ctx.capabilities.requantization_safe:
+        if not _requantizes_exactly(ctx):
             # TE quantizes every microbatch again under FSDP2; reusing the
             # first one's workspace is the same only if quantizing again
             # reproduces it (not with delayed scaling, whose scale moves
@@ -420,18 +442,15 @@ class LeanWorkspacePolicy(WorkspacePolicy):
 
     label: ClassVar[str] = "lean"
 
-    def _lean(self, ctx: WorkspaceContext) -> bool:
-        return not ctx.is_quantized_param and ctx.capabilities.requantization_safe
-
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
-        return CacheAction.BYPASS if self._lean(ctx) else super().cache_action(ctx)
+        return CacheAction.BYPASS if _copy_and_rebuild_agree(ctx) else super().cache_action(ctx)
 
     def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
-        return Usage.ROWWISE if self._lean(ctx) else super().forward_usage(ctx, cache)
+        return Usage.ROWWISE if _copy_and_rebuild_agree(ctx) else super().forward_usage(ctx, cache)
 
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         source = super().backward_source(ctx, cache)
-        if self._lean(ctx) and source is BackwardSource.SAVED_WORKSPACE:
+        if _copy_and_rebuild_agree(ctx) and source is BackwardSource.SAVED_WORKSPACE:
             return BackwardSource.REQUANTIZE
         return source
 
@@ -463,17 +482,14 @@ class KeepForBackwardWorkspacePolicy(FSDP2WorkspacePolicy):
 
     label: ClassVar[str] = "keep_for_backward"
 
-    def _keeps(self, ctx: WorkspaceContext) -> bool:
-        return not ctx.is_quantized_param and ctx.capabilities.requantization_safe
-
     def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
-        if self._keeps(ctx) and ctx.quantized_dgrad:
+        if _copy_and_rebuild_agree(ctx) and ctx.quantized_dgrad:
             return Usage.BOTH  # the columnwise data dgrad will read, built once
         return super().forward_usage(ctx, cache)
 
     def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
         source = super().backward_source(ctx, cache)
-        if self._keeps(ctx) and source is BackwardSource.REQUANTIZE:
+        if _copy_and_rebuild_agree(ctx) and source is BackwardSource.REQUANTIZE:
             return BackwardSource.SAVED_WORKSPACE
         return source
 
@@ -489,9 +505,8 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
     cached copy would hold the whole gathered weight.
     """
 
-    shardings: ClassVar[frozenset[Sharding]] = frozenset({Sharding.DISTRIBUTED_WEIGHT})
+    shardings = frozenset({Sharding.DISTRIBUTED_WEIGHT})
     label: ClassVar[str] = "distributed_weight"
-    backward_regathers: ClassVar[bool] = True
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         return CacheAction.BYPASS
@@ -512,6 +527,13 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     ``LayerNormMLP(checkpoint=True)``), wrapping the policy of the weight's
     sharding (``inner``).
 
+    A wrapper, not a policy of its own: its plans come from ``inner``'s, never
+    from the six methods (inherited from WorkspacePolicy, and not called).
+    Calls outside a recompute region are planned by ``inner`` unchanged; a
+    recompute pass's plan is :func:`recompute_pass_plan` of the plan
+    ``inner`` makes for the step's real forward (:func:`inner_policy_context`).
+    It plans the weight distributions ``inner`` plans (``shardings``).
+
     Keeps alive: in the first pass, nothing for backward (its saved tensors
     are dropped); columnwise data is built only when the pass fills a cache
     that the recompute pass will read. In the recompute pass the cache is
@@ -520,11 +542,10 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     and saves them, since that layer's backward follows at once. Where the
     inner policy quantizes again in backward (FSDP2), a ``te.checkpoint``
     pass does as TE does: rowwise data only, nothing saved, and backward
-    quantizes again (see ``_RecomputeCall.rebuilds_as_inner``); a module's
-    own recompute (``LayerNormMLP(checkpoint=True)``) hands its copy to
-    backward, as TE does. Caching and what is released after backward are
-    the inner policy's decisions. Calls outside a recompute region are
-    planned by ``inner`` unchanged.
+    quantizes again (see ``_leaves_dgrad_copy_to_inner_rebuild``); a
+    module's own recompute (``LayerNormMLP(checkpoint=True)``) hands its
+    copy to backward, as TE does. Caching and what is released after
+    backward are the inner policy's decisions.
 
     Option ``recompute_copy`` (:class:`RecomputeCopy`, default ``AS_TE``):
     ``BUILD_ONCE`` makes a ``te.checkpoint`` recompute pass under FSDP2
@@ -547,158 +568,147 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
                 f"(e.g. FSDP2WorkspacePolicy()); received {self.inner!r}"
             )
         _require_option(self, "recompute_copy", self.recompute_copy, RecomputeCopy)
-
-    @property
-    def shardings(self) -> frozenset[Sharding]:  # type: ignore[override]
-        return self.inner.shardings
+        # Derived from a field, as a frozen dataclass derives (not a field:
+        # equality, hashing and repr stay those of inner and recompute_copy).
+        object.__setattr__(self, "shardings", self.inner.shardings)
 
     def covers(self, ctx: WorkspaceContext) -> bool:
         return ctx.sharding in self.shardings
 
-    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        # The inner policy's view of the call is derived once, here, and
-        # serves both the check and every question.
-        _require_context(self, ctx)
-        plain = ctx.as_plain_forward()
-        self._check_plain(plain)
-        return self._plan_from(ctx, plain)
-
     def check_context(self, ctx: WorkspaceContext) -> None:
         _require_context(self, ctx)
-        self._check_plain(ctx.as_plain_forward())
+        self._check_inner(ctx.as_plain_forward())
 
-    def _check_plain(self, plain: WorkspaceContext) -> None:
+    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        _require_context(self, ctx)
+        if ctx.recompute is RecomputePass.NONE:
+            self._check_inner(ctx)
+            return self.inner.plan(ctx)
+        # The inner policy's view of the call is derived once, here, and
+        # serves both the check and the inner plan.
+        step_forward = inner_policy_context(ctx)
+        self._check_inner(step_forward)
+        return recompute_pass_plan(ctx, self.inner.plan(step_forward), self.recompute_copy)
+
+    def _check_inner(self, plain: WorkspaceContext) -> None:
         try:
             self.inner.check_context(plain)
         except PolicyMismatchError as err:
             raise PolicyMismatchError(f"{self!r} cannot plan this call: {err}") from None
 
-    def _plan_unchecked(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        return self._plan_from(ctx, ctx.as_plain_forward())
 
-    def _plan_from(self, ctx: WorkspaceContext, plain: WorkspaceContext) -> WorkspacePlan:
-        if ctx.recompute is RecomputePass.NONE:
-            return self.inner._plan_unchecked(ctx)
-        call = _RecomputeCall.of(self.inner, plain, self.recompute_copy)
-        if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
-            # Non-reentrant checkpointing: backward runs this pass's autograd
-            # nodes with the tensors the recompute pass saves, matched by
-            # position, so this pass must save exactly what that pass saves.
-            # Only the cache action is its own (it may fill what the
-            # recompute pass then reads). Both passes share one inner view.
-            replay = _ask(call, replace(ctx, recompute=RecomputePass.RECOMPUTE))
-            return _assemble(
-                ctx, call.cache_action(ctx), replay.forward_usage, replay.backward_source,
-                replay.columnwise_source, replay.release, replay.parameter_keeps,
-            )
-        return _ask(call, ctx)
-
-    # The questions, one at a time (each derives the inner view for itself;
-    # ``plan`` derives it once for all of them).
-    def _call(self, ctx: WorkspaceContext) -> _RecomputeCall:
-        return _RecomputeCall.of(self.inner, ctx.as_plain_forward(), self.recompute_copy)
-
-    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
-        return self._call(ctx).cache_action(ctx)
-
-    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
-        return self._call(ctx).forward_usage(ctx, cache)
-
-    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
-        return self._call(ctx).backward_source(ctx, cache)
-
-    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
-        return self.inner.columnwise_source(ctx.as_plain_forward(), source, forward)
-
-    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
-        return self._call(ctx).release(ctx, cache)
-
-    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
-        return self.inner.parameter_keeps(ctx.as_plain_forward())
+def inner_policy_context(ctx: WorkspaceContext) -> WorkspaceContext:
+    """The call a recompute pass's inner policy plans: the step's real
+    forward, which is the call without its pass, with grad even when a
+    reentrant first pass runs without it (a backward follows that pass)."""
+    plain = ctx.as_plain_forward()
+    return plain if plain.grad_enabled else replace(plain, grad_enabled=True)
 
 
-@dataclass(frozen=True)
-class _RecomputeCall:
-    """A recompute pass's call as its inner policy sees it, derived once per
-    call: the call without its pass (``plain``), the step's real forward
-    with grad even when a reentrant first pass runs without it
-    (``training``), the inner policy's cache action for that forward, and
-    the recompute policy's ``recompute_copy`` option. Answers the recompute
-    policy's questions for a context of either pass."""
+def recompute_pass_plan(ctx: WorkspaceContext, inner_plan: WorkspacePlan, recompute_copy: RecomputeCopy) -> WorkspacePlan:
+    """The plan of a recompute pass (``ctx.recompute`` is FIRST or
+    RECOMPUTE): a pure function of ``inner_plan``, the plan the inner policy
+    makes for :func:`inner_policy_context` of ``ctx``, and of the pass's own
+    facts (the pass, its scope, the quantizer, ``recompute_copy``).
 
-    inner: WorkspacePolicy
-    plain: WorkspaceContext
-    training: WorkspaceContext
-    inner_cache: CacheAction
-    copy: RecomputeCopy
+    The inner plan gives the cache action of the step's forward, whether
+    backward gathers the weight again or quantizes it again, what is
+    released, and what a quantized parameter keeps; the pass decides what it
+    builds and saves. [Note: workspace lifetime] draws both passes."""
+    if ctx.recompute is RecomputePass.NONE:
+        raise InvalidContextError(
+            "recompute_pass_plan plans recompute passes only; this call has recompute=RecomputePass.NONE. "
+            "Plan it with the inner policy."
+        )
+    if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
+        # Non-reentrant checkpointing: backward runs this pass's autograd
+        # nodes with the tensors the recompute pass saves, matched by
+        # position, so this pass must save exactly what that pass saves.
+        # Only the cache action is its own (it may fill what the recompute
+        # pass then reads). Both passes share one inner plan.
+        replay = _pass_plan(replace(ctx, recompute=RecomputePass.RECOMPUTE), inner_plan, recompute_copy)
+        return _assemble(
+            ctx, _pass_cache(ctx, inner_plan), replay.forward_usage, replay.backward_source,
+            replay.columnwise_source, replay.release, replay.parameter_keeps,
+        )
+    return _pass_plan(ctx, inner_plan, recompute_copy)
 
-    @classmethod
-    def of(cls, inner: WorkspacePolicy, plain: WorkspaceContext, copy: RecomputeCopy) -> _RecomputeCall:
-        training = plain if plain.grad_enabled else replace(plain, grad_enabled=True)
-        return cls(inner, plain, training, inner.cache_action(training), copy)
 
-    def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
-        if ctx.recompute is RecomputePass.RECOMPUTE and self.inner_cache is not CacheAction.BYPASS:
-            if ctx.recompute_scope is RecomputeScope.MODULE and not ctx.capabilities.requantization_safe:
-                # TE's module-own recompute (LayerNormMLP(checkpoint=True))
-                # quantizes afresh with the scale current in backward; a
-                # cached copy made with an older delayed scale differs.
-                return CacheAction.BYPASS
-            return CacheAction.READ_ONLY
-        return self.inner_cache
+def _pass_plan(ctx: WorkspaceContext, inner_plan: WorkspacePlan, recompute_copy: RecomputeCopy) -> WorkspacePlan:
+    """A reentrant first pass's plan, or a recompute pass's."""
+    cache = _pass_cache(ctx, inner_plan)
+    rebuilds = _leaves_dgrad_copy_to_inner_rebuild(ctx, inner_plan, recompute_copy)
+    forward = _pass_forward_usage(ctx, cache, inner_plan, rebuilds)
+    source = _pass_backward_source(ctx, inner_plan, rebuilds)
+    columnwise = _columnwise_for(ctx, source, forward, parameter=inner_plan.columnwise_source)
+    release = Release.NOTHING if ctx.recompute is RecomputePass.FIRST else inner_plan.release
+    return _assemble(ctx, cache, forward, source, columnwise, release, inner_plan.parameter_keeps)
 
-    def forward_usage(self, ctx: WorkspaceContext, cache: CacheAction) -> Usage:
-        if ctx.is_quantized_param:
-            return Usage.ROWWISE
-        if self.inner.backward_regathers:
-            return self.inner.forward_usage(self.plain, cache)
-        if ctx.recompute is RecomputePass.FIRST:
-            later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
-            return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
-        if self.rebuilds_as_inner(ctx):
-            return self.inner.forward_usage(self.plain, self.inner_cache)
-        return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
 
-    def backward_source(self, ctx: WorkspaceContext, cache: CacheAction) -> BackwardSource:
-        if ctx.recompute is RecomputePass.FIRST:
-            return BackwardSource.NONE
-        if self.inner.backward_regathers:
-            return self.inner.backward_source(self.plain, cache)
-        if self.rebuilds_as_inner(ctx):
-            return BackwardSource.REQUANTIZE
-        return _source_without_rebuild(ctx)
+def _pass_cache(ctx: WorkspaceContext, inner_plan: WorkspacePlan) -> CacheAction:
+    """The first pass caches as the step's forward does; the recompute pass
+    only reads what the first pass filled."""
+    if ctx.recompute is RecomputePass.RECOMPUTE and inner_plan.cache is not CacheAction.BYPASS:
+        if ctx.recompute_scope is RecomputeScope.MODULE and not _requantizes_exactly(ctx):
+            # TE's module-own recompute (LayerNormMLP(checkpoint=True))
+            # quantizes afresh with the scale current in backward; a
+            # cached copy made with an older delayed scale differs.
+            return CacheAction.BYPASS
+        return CacheAction.READ_ONLY
+    return inner_plan.cache
 
-    def rebuilds_as_inner(self, ctx: WorkspaceContext) -> bool:
-        """Whether the recompute pass leaves dgrad's copy to the inner
-        policy's backward rebuild instead of saving its own.
 
-        By default (``RecomputeCopy.AS_TE``) it does wherever the inner
-        policy rebuilds (FSDP2), as TE's ``te.checkpoint`` pass does: saving
-        the pass's copy would hold it from the pass to backward, which costs
-        peak memory for a gain not measured. ``BUILD_ONCE`` saves it instead,
-        but only for a quantizer that requantizes exactly: TE quantizes a
-        region's recompute pass with the first pass's scale (it puts the
-        delayed-scaling state back), while its backward rebuild uses the
-        scale current at backward, so for the others the saved copy would
-        change dgrad. A module's own recompute is exempt: TE hands that
-        pass's copy to backward itself.
-        """
-        if ctx.recompute_scope is RecomputeScope.MODULE:
-            return False
-        if self.copy is RecomputeCopy.BUILD_ONCE and ctx.capabilities.requantization_safe:
-            return False
-        return self.inner.backward_source(self.training, self.inner_cache) is BackwardSource.REQUANTIZE
+def _regathers(inner_plan: WorkspacePlan) -> bool:
+    """Backward obtains the weight again by itself (a distributed weight),
+    so nothing a pass builds can serve it."""
+    return inner_plan.backward_source is BackwardSource.REGATHER
 
-    def columnwise_source(self, ctx: WorkspaceContext, source: BackwardSource, forward: Usage) -> ColumnwiseSource:
-        return self.inner.columnwise_source(self.plain, source, forward)
 
-    def release(self, ctx: WorkspaceContext, cache: CacheAction) -> Release:
-        if ctx.recompute is RecomputePass.FIRST:
-            return Release.NOTHING
-        return self.inner.release(self.plain, self.inner_cache)
+def _pass_forward_usage(ctx: WorkspaceContext, cache: CacheAction, inner_plan: WorkspacePlan, rebuilds: bool) -> Usage:
+    if ctx.is_quantized_param:
+        return Usage.ROWWISE
+    if _regathers(inner_plan):
+        return inner_plan.forward_usage
+    if ctx.recompute is RecomputePass.FIRST:
+        later_dgrad = ctx.input_requires_grad and ctx.backward_override is BackwardOverride.NONE
+        return Usage.BOTH if (cache.writes and later_dgrad) else Usage.ROWWISE
+    if rebuilds:
+        return inner_plan.forward_usage
+    return Usage.BOTH if ctx.quantized_dgrad else Usage.ROWWISE
 
-    def parameter_keeps(self, ctx: WorkspaceContext) -> Usage:
-        return self.inner.parameter_keeps(self.plain)
+
+def _pass_backward_source(ctx: WorkspaceContext, inner_plan: WorkspacePlan, rebuilds: bool) -> BackwardSource:
+    if ctx.recompute is RecomputePass.FIRST:
+        return BackwardSource.NONE
+    if _regathers(inner_plan):
+        return inner_plan.backward_source
+    if rebuilds:
+        return BackwardSource.REQUANTIZE
+    return _source_without_rebuild(ctx)
+
+
+def _leaves_dgrad_copy_to_inner_rebuild(
+    ctx: WorkspaceContext, inner_plan: WorkspacePlan, recompute_copy: RecomputeCopy
+) -> bool:
+    """Whether the recompute pass leaves dgrad's copy to the inner plan's
+    backward rebuild instead of saving its own.
+
+    By default (``RecomputeCopy.AS_TE``) it does wherever the inner plan
+    rebuilds (FSDP2), as TE's ``te.checkpoint`` pass does: saving the
+    pass's copy would hold it from the pass to backward, which costs peak
+    memory for a gain not measured. ``BUILD_ONCE`` saves it instead, but
+    only for a quantizer that requantizes exactly: TE quantizes a region's
+    recompute pass with the first pass's scale (it puts the delayed-scaling
+    state back), while its backward rebuild uses the scale current at
+    backward, so for the others the saved copy would change dgrad. A
+    module's own recompute is exempt: TE hands that pass's copy to backward
+    itself.
+    """
+    if ctx.recompute_scope is RecomputeScope.MODULE:
+        return False
+    if recompute_copy is RecomputeCopy.BUILD_ONCE and _requantizes_exactly(ctx):
+        return False
+    return inner_plan.backward_source is BackwardSource.REQUANTIZE
 
 
 #: The non-recompute policies, one per weight distribution (``shardings``).

@@ -35,7 +35,9 @@ from ._policy import (
     base_policy_for,
 )
 
-__all__ = ["select_policy", "resolve_policy", "plan_call", "CallShape", "PlannedCall", "named_policy", "POLICY_NAMES"]
+__all__ = [
+    "select_policy", "resolve_policy", "plan_call", "CallShape", "PlannedCall", "named_policy", "POLICY_NAMES",
+]
 
 #: The shipped policies by name: with their defaults, then with an option
 #: switched on (off by default: docs/decisions.md, D3 and D4). ``explain
@@ -99,8 +101,12 @@ def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None)
 
 @dataclass(frozen=True, slots=True)
 class CallShape:
-    """The fields of a :class:`WorkspaceContext`, unchecked: the key under
-    which :func:`plan_call` plans a call once."""
+    """One module call's shape: the arguments of its :class:`WorkspaceContext`,
+    by name, with the same defaults, as :func:`plan_call` takes them.
+
+    Frozen and hashable, so that it keys the memo of plans; it checks
+    nothing itself (the context built from it does, on every call that is
+    not memoized)."""
 
     capabilities: QuantizerCapabilities
     sharding: Sharding = Sharding.NONE
@@ -115,7 +121,7 @@ class CallShape:
 
 @dataclass(frozen=True, slots=True)
 class PlannedCall:
-    """A call's checked context and its plan."""
+    """What :func:`plan_call` returns: the call's context and its plan."""
 
     context: WorkspaceContext
     plan: WorkspacePlan
@@ -123,7 +129,8 @@ class PlannedCall:
 
 @functools.lru_cache(maxsize=4096)
 def plan_call(pinned: WorkspacePolicy | None, shape: CallShape) -> PlannedCall:
-    """The context and plan of one module call, memoized per call shape.
+    """The context and plan of one module call, memoized per ``(pinned,
+    shape)``; ``pinned`` as for :func:`resolve_policy`.
 
     Bindings call this on every weight of every call. Building and checking
     a :class:`WorkspaceContext` costs more than the lookup of a memo, and a
@@ -133,5 +140,17 @@ def plan_call(pinned: WorkspacePolicy | None, shape: CallShape) -> PlannedCall:
     depends on nothing but the context). Errors are not memoized: a call
     that fails fails again.
     """
-    ctx = WorkspaceContext(**{name: getattr(shape, name) for name in CallShape.__slots__})
-    return PlannedCall(ctx, resolve_policy(ctx, pinned).plan(ctx))
+    if not isinstance(shape, CallShape):
+        raise ContextTypeError(f"plan_call expects a CallShape; received {type(shape).__name__}")
+    ctx = WorkspaceContext(
+        capabilities=shape.capabilities,
+        sharding=shape.sharding,
+        recompute=shape.recompute,
+        recompute_scope=shape.recompute_scope,
+        grad_enabled=shape.grad_enabled,
+        input_requires_grad=shape.input_requires_grad,
+        weight=shape.weight,
+        microbatch=shape.microbatch,
+        backward_override=shape.backward_override,
+    )
+    return PlannedCall(context=ctx, plan=resolve_policy(ctx, pinned).plan(ctx))

@@ -66,10 +66,9 @@ def test_an_option_must_be_a_member_of_its_enum(make):
 def test_policies_with_other_options_are_other_keys_of_the_plan_memo():
     """Bindings memoize plans per (pinned policy, call shape)."""
     assert CACHE != FSDP2 and hash(CACHE) != hash(FSDP2)
-    args = (FLOAT8_CURRENT_SCALING, Sharding.FSDP2_KEEP, RecomputePass.NONE, RecomputeScope.REGION, True, True,
-            wm.WeightSource.HIGH_PRECISION, Microbatch.FIRST, wm.BackwardOverride.NONE)
-    assert plan_call(FSDP2, *args)[1].cache is CacheAction.BYPASS
-    assert plan_call(CACHE, *args)[1].cache is CacheAction.FILL
+    shape = wm.CallShape(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=Microbatch.FIRST)
+    assert plan_call(FSDP2, shape).plan.cache is CacheAction.BYPASS
+    assert plan_call(CACHE, shape).plan.cache is CacheAction.FILL
 
 
 def _caches(ctx: WorkspaceContext) -> bool:

@@ -15,6 +15,7 @@ import pytest
 
 from workspace_manager import (
     PROFILES,
+    CallShape,
     FSDP2WorkspacePolicy,
     RecomputePass,
     RecomputeWorkspacePolicy,
@@ -84,7 +85,7 @@ def test_the_bindings_path_builds_the_call_plus_at_most_two(built):
     for ctx in _recompute_contexts():
         if ctx.sharding not in pinned.shardings:
             continue
-        args = tuple(getattr(ctx, f.name) for f in fields(ctx))
+        shape = CallShape(**{f.name: getattr(ctx, f.name) for f in fields(ctx)})
         built[0] = 0
-        plan_call(pinned, *args)
+        plan_call(pinned, shape)
         assert built[0] <= 1 + MAX_PER_PLAN, ctx

@@ -240,7 +240,7 @@ def region_recompute_rebuilds_as_te_unless_asked_to_build_once(
     held from the pass to backward, for one quantization less)."""
     if not _region_pass_of_an_inner_rebuild(policy, ctx):
         return
-    if policy.recompute_copy is RecomputeCopy.BUILD_ONCE:  # type: ignore[attr-defined]
+    if isinstance(policy, RecomputeWorkspacePolicy) and policy.recompute_copy is RecomputeCopy.BUILD_ONCE:
         return
     _require(
         plan.backward_source is BackwardSource.REQUANTIZE and Usage.COLUMNWISE not in plan.forward_usage,
