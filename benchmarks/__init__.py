@@ -22,9 +22,9 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``te_suite`` | 1-2 GPUs | TE's own module tests, stock and with the drop-ins swapped in: per-test outcomes compared |
 
 The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
-pieces (``_dist``, ``_model``, ``_stack``) import TE, CUDA and
-``te_integration`` only inside the functions that use them, so ``--help``
-and the CPU tests work without them. ``_model`` (the model) and ``_dist``
-(launch and worker skeleton) serve the GPU test workers of ``tests/gpu``
-too. See benchmarks/README.md.
+pieces (``_stack``, ``_runner``) import TE, CUDA and ``te_integration`` only
+inside the functions that use them, so ``--help`` and the CPU tests work
+without them. The model, the process group and the recipes come from
+``testbed``, which the GPU test workers of ``tests/gpu`` build from too.
+See benchmarks/README.md.
 """

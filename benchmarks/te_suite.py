@@ -37,8 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _harness as h
-from ._dist import SAFE_ENV
+from testbed.dist import SAFE_ENV
+from testbed.record import REPO_ROOT, capture_env, jsonable
+
 from ._te_suite_report import (
     Comparison,
     Run,
@@ -211,7 +212,7 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
     for key, value in SAFE_ENV.items():
         env.setdefault(key, value)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(h.REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -455,7 +456,7 @@ def redacted_command(argv: Sequence[str]) -> str:
 
 
 def _meta(plan: Plan, argv: Sequence[str], comparison: Comparison) -> dict:
-    env = h.capture_env()
+    env = capture_env()
     recorded = [r.record.get("te_version") for pair in comparison.pairs for r in pair if r.record]
     env["te"] = next((v for v in recorded if v), env.get("te"))
     return {"command": redacted_command(argv), "environment": env, "tests_fingerprint": fingerprint(plan.tests_dir),
@@ -467,7 +468,7 @@ def _meta(plan: Plan, argv: Sequence[str], comparison: Comparison) -> dict:
 def write_outputs(plan: Plan, comparison: Comparison, meta: dict) -> str:
     summary = render_summary(comparison, meta)
     (plan.out / "summary.md").write_text(summary)
-    (plan.out / "comparison.json").write_text(json.dumps(h.jsonable(comparison_json(comparison, meta)), indent=1)
+    (plan.out / "comparison.json").write_text(json.dumps(jsonable(comparison_json(comparison, meta)), indent=1)
                                               + "\n")
     write_outcomes(comparison, plan.out / "outcomes.jsonl")
     return summary
