@@ -23,8 +23,8 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 
 The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
 pieces (``_stack``, ``_runner``) import TE, CUDA and ``te_integration`` only
-inside the functions that use them, so ``--help`` and the CPU tests work
-without them. The model, the process group and the recipes come from
+inside the functions that use them, so ``--help`` and the CPU tests
+(``benchmarks/tests``) work without them. The model, the process group and the recipes come from
 ``testbed``, which the GPU test workers of ``tests/gpu`` build from too.
 See benchmarks/README.md.
 """

@@ -5,7 +5,7 @@ Nothing here needs CUDA or TransformerEngine: torch is imported inside the
 functions that ask it something, and TE is never imported (its version is
 read from the installed package's metadata or from an already imported
 module). The environment a result records and its JSON values come from
-``testbed.record``. The CPU test ``tests/unit/test_benchmarks_harness.py`` covers it.
+``testbed.record``. The CPU test ``benchmarks/tests/test_harness.py`` covers it.
 """
 
 from __future__ import annotations
