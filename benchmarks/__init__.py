@@ -19,12 +19,13 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
-| ``te_suite`` | 1-2 GPUs | TE's own module tests, stock and with the drop-ins swapped in: per-test outcomes compared |
 
 The harness (``_harness``) needs neither CUDA nor TransformerEngine; the GPU
-pieces (``_dist``, ``_model``, ``_stack``) import TE, CUDA and
-``te_integration`` only inside the functions that use them, so ``--help``
-and the CPU tests work without them. ``_model`` (the model) and ``_dist``
-(launch and worker skeleton) serve the GPU test workers of ``tests/gpu``
-too. See benchmarks/README.md.
+pieces (``_stack``, ``_runner``) import TE, CUDA and ``te_integration`` only
+inside the functions that use them, so ``--help`` and the CPU tests
+(``benchmarks/tests``) work without them. The model, the process group and
+the recipes come from ``testbed``, which the GPU test workers of
+``tests/gpu`` build from too; nothing imports this package, and it imports
+nothing from ``tests``. TE's own tests on the drop-ins are run by a test
+harness, ``python3 -m tests.te_suite``. See benchmarks/README.md.
 """

@@ -4,30 +4,27 @@ comparison rows with their targets, JSON and Markdown output, progress.
 Nothing here needs CUDA or TransformerEngine: torch is imported inside the
 functions that ask it something, and TE is never imported (its version is
 read from the installed package's metadata or from an already imported
-module). The CPU test ``tests/unit/test_benchmarks_harness.py`` covers it.
+module). The environment a result records and its JSON values come from
+``testbed.record``. The CPU test ``benchmarks/tests/test_harness.py`` covers it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
-import enum
 import json
 import math
 import os
-import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from testbed.record import capture_env, jsonable
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 SCHEMA = "te-wm-benchmark/1"
 
@@ -128,70 +125,6 @@ def config_of(args: argparse.Namespace, **extra: Any) -> dict:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())}
     config.update(extra)
     return config
-
-
-# -- environment ---------------------------------------------------------------
-def git_commit() -> dict:
-    """The commit and whether tracked files differ from it. ``TE_WM_COMMIT``,
-    if set, wins: a copy of the working tree made for another machine may
-    hold a ``.git`` that is not the checkout's (run 2026-11-30 read an older
-    HEAD that way). Without it and without git: ``"unknown"``."""
-    def git(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    given = os.environ.get("TE_WM_COMMIT")
-    if given:
-        return {"commit": given, "dirty": None, "source": "TE_WM_COMMIT"}
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": "unknown", "dirty": None, "source": "none"}
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None, "source": "git"}
-
-
-def te_version() -> str | None:
-    """TransformerEngine's version without importing it: from the imported
-    module if a benchmark already did, else from the package metadata."""
-    module = sys.modules.get("transformer_engine")
-    if module is not None and getattr(module, "__version__", None):
-        return str(module.__version__)
-    from importlib import metadata
-
-    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def capture_env() -> dict:
-    """Python, platform, torch, CUDA, the GPUs, TE and the commit."""
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "torch": None, "cuda": None, "gpus": [], "gpu_memory_gib": [],
-        "te": te_version(),
-        **git_commit(),
-    }
-    try:
-        import torch
-    except ImportError:
-        return env
-    env["torch"] = torch.__version__
-    env["cuda"] = torch.version.cuda
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            env["gpus"].append(props.name)
-            env["gpu_memory_gib"].append(round(props.total_memory / 2**30, 1))
-    return env
 
 
 # -- statistics ----------------------------------------------------------------
@@ -350,24 +283,6 @@ def summary_counts(rows: Sequence[dict]) -> dict:
     checked = [r for r in rows if r["ok"] is not None]
     return {"targets": len(checked), "met": sum(1 for r in checked if r["ok"]),
             "missed": sum(1 for r in checked if not r["ok"])}
-
-
-def jsonable(obj: Any) -> Any:
-    """Plain JSON values: NaN and infinities become None; paths, enums and
-    dataclasses become strings and dicts."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return jsonable(dataclasses.asdict(obj))
-    return obj
 
 
 def result_stem(name: str, tag: str) -> str:

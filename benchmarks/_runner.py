@@ -11,6 +11,7 @@ A benchmark supplies ``plan(args, dist, world, total_gib) -> list[Job]``
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -73,9 +74,42 @@ def apply_summary(result: dict, summary: dict) -> None:
         result[key] = list(summary.get(key, []))
 
 
+def launch_message(name: str, argv: Sequence[str], ranks: int, world: int) -> str:
+    args = " ".join(argv)
+    found = "it was started without torchrun" if world == 0 else f"it was started with {world} rank(s)"
+    return (f"benchmarks.{name} runs FSDP2 on 1 or 2 GPUs (world size = the GPUs present), one process each, "
+            f"but {found}. Launch it with:\n"
+            f"  torchrun --nproc_per_node=2 -m benchmarks.{name} {args}".rstrip() + "\n"
+            "(--nproc_per_node=1 on a machine with one GPU; "
+            "it needs TE: pip install -e '.[te,test,bench]'; "
+            "`python -m benchmarks.run_all` launches every benchmark)")
+
+
+def require_launch(name: str, argv: Sequence[str], *, ranks: int = 1) -> None:
+    """Exit with a message saying how to launch, unless this process is one
+    of >= ``ranks`` torchrun ranks on a CUDA machine with TE importable (one
+    rank is FSDP2 at world size 1: a mesh of one GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0) if "LOCAL_RANK" in os.environ else 0
+    if world < ranks:
+        raise SystemExit(launch_message(name, argv, ranks, world))
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks.{name} needs CUDA GPUs; torch {torch.__version__} sees none here.")
+    local = int(os.environ["LOCAL_RANK"])
+    if local >= torch.cuda.device_count():
+        raise SystemExit(f"benchmarks.{name}: LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s); "
+                         f"use --nproc_per_node={torch.cuda.device_count()} or fewer")
+    try:
+        import te_integration  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(f"benchmarks.{name} needs TransformerEngine 2.20 with te_integration: {err}\n"
+                         "Install it with: pip install -e '.[te,test,bench]'") from None
+
+
 def supported_recipes(names: Sequence[str], result: dict) -> list[str]:
     """The recipes this GPU runs (TE's own checks); the others are skipped with TE's reason."""
-    from ._model import recipe_skip_reason
+    from testbed.recipes import recipe_skip_reason
 
     kept = []
     for name in names:
@@ -92,13 +126,13 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
              extra_config: dict | None = None) -> int:
     """Check the launch, run the planned jobs on every rank, summarize and
     write on rank 0. Exit status 1 if any configuration failed."""
-    from ._dist import require_launch
-
     require_launch(name, list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    from . import _model, _stack
-    from ._dist import Dist
+    from testbed.dist import Dist
+    from testbed.model import release_memory
+
+    from . import _stack
 
     t0 = time.perf_counter()
     dist = Dist()
@@ -116,7 +150,7 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
                      f"estimated; writing to {args.out}")
         if getattr(args, "prime", True):
             _stack.prime(args.recipes, dist)
-        run_jobs(jobs, result, progress, on_error=_model.release_memory)
+        run_jobs(jobs, result, progress, on_error=release_memory)
         apply_summary(result, summarize(result["samples"], args))
     except Exception:
         result["errors"].append({"where": "driver", "traceback": traceback.format_exc()})

@@ -1,6 +1,6 @@
 """The sizes, data and measurement loop of the GPU benchmarks.
 
-The model is ``_model.build_stack``, the builder the GPU tests use too: a
+The model is ``testbed.model.build_stack``, the builder the GPU tests use too: a
 stack of ``te.TransformerLayer`` under FSDP2, built stock or from the
 drop-ins, with bf16 params or under ``te.quantized_model_init``, optionally
 with ``te.checkpoint`` around every layer. Here it gets its sizes, depths,
@@ -22,18 +22,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._harness import MIB, VARIANT_LABELS
-from ._model import (
+from testbed.model import (
     QuantizationCounter,
     allocated,
     build_stack,
     cached_workspaces,
-    make_recipe,
     optimizer_for,
     random_pair,
     rank,
     release_memory,
 )
+from testbed.recipes import make_recipe
+
+from ._harness import MIB, VARIANT_LABELS
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from testbed.dist import SAFE_ENV
+from testbed.record import REPO_ROOT
+
 from . import _harness as h
-from ._dist import SAFE_ENV
 
 #: name -> (share of the budget, runs under torchrun). The shares are each
 #: benchmark's measured full runtime on 2x H200 (d7db962: 14, 220, 249, 240,
@@ -98,7 +100,7 @@ def run_one(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
     t0 = time.perf_counter()
     killed = threading.Event()
     with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               env=child_env(), cwd=h.REPO_ROOT, start_new_session=True) as proc:
+                                               env=child_env(), cwd=REPO_ROOT, start_new_session=True) as proc:
 
         def kill() -> None:
             killed.set()

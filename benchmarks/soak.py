@@ -51,7 +51,9 @@ def soak_run(spec: ModelSpec, n_steps: int, dist, say: Callable[[str], None], ev
     """Train ``n_steps`` steps; allocated memory after each (synchronized)."""
     import torch
 
-    from ._model import allocated, make_recipe, optimizer_for, release_memory
+    from testbed.model import allocated, optimizer_for, release_memory
+    from testbed.recipes import make_recipe
+
     from ._stack import build, make_batches, run_step
 
     release_memory()

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from testbed.attribution import disagreement
+
 MIB = 2**20
 
 
@@ -47,18 +49,6 @@ def per_layer(point: dict) -> dict[str, int]:
         key = layer_of(module)
         out[key] = out.get(key, 0) + nbytes
     return out
-
-
-def disagreement(run: dict) -> int:
-    """Largest |(stock - drop-in) allocated - (stock - drop-in) reported| over the boundaries, in bytes."""
-    stock, managed = run["stock"], run["managed"]
-    worst = 0
-    for s, m in zip(stock["timeline"], managed["timeline"]):
-        if s["allocated_bytes"] is None or m["allocated_bytes"] is None:
-            continue
-        d_alloc = (s["allocated_bytes"] - stock["baseline"]) - (m["allocated_bytes"] - managed["baseline"])
-        worst = max(worst, abs(d_alloc - (s["total_bytes"] - m["total_bytes"])))
-    return worst
 
 
 def summary_rows(report: dict) -> list[dict]:

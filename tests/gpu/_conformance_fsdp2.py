@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from _fsdp2_stack import RECIPES  # noqa: F401  (first: it puts the repository root on sys.path)
 from _conformance_run import Case, run_case
-from benchmarks._dist import guard, run_worker
-from benchmarks._model import recipe_skip_reason
+from testbed.dist import guard, run_worker
+from testbed.recipes import recipe_skip_reason
 
 RECIPES_SM90 = ("Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling")
 MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")

@@ -27,8 +27,8 @@ import sys
 import torch
 from _fsdp2_stack import train_and_measure  # first: it puts the repository root on sys.path
 
-from benchmarks._dist import guard, run_worker
-from benchmarks._model import allocated, random_pair, rank, release_memory, shard
+from testbed.dist import guard, run_worker
+from testbed.model import allocated, random_pair, rank, release_memory, shard
 
 HIDDEN, TOKENS, LAYERS = 512, 128, 6
 KINDS = ("bf16", "stock", "managed")

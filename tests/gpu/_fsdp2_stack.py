@@ -27,16 +27,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# The model and the worker skeleton are the benchmarks' (benchmarks/_model.py,
-# benchmarks/_dist.py): torchrun starts this file by path, so the repository
-# root goes on sys.path first.
+# The model and the worker skeleton are the ones the benchmarks use too
+# (testbed/model.py, testbed/dist.py): torchrun starts this file by path, so
+# the repository root goes on sys.path first.
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._dist import guard, run_worker  # noqa: E402
-from benchmarks._model import QuantizationCounter, allocated, build_stack, cached_workspaces  # noqa: E402
-from benchmarks._model import make_recipe, optimizer_for, random_pair, rank, release_memory  # noqa: E402
+from testbed.dist import guard, run_worker  # noqa: E402
+from testbed.model import QuantizationCounter, allocated, build_stack, cached_workspaces  # noqa: E402
+from testbed.model import optimizer_for, random_pair, rank, release_memory  # noqa: E402
+from testbed.recipes import make_recipe  # noqa: E402
 
 HIDDEN, FFN, HEADS, LAYERS, SEQ, BATCH = 256, 1024, 8, 8, 32, 2
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]

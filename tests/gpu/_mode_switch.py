@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass
 
 from _fsdp2_stack import CACHE_OPTION, RECIPES, build, forward_backward  # first: puts the repo root on sys.path
 
-from benchmarks._dist import guard, run_worker
-from benchmarks._model import allocated, make_recipe, optimizer_for, recipe_skip_reason, release_memory
+from testbed.dist import guard, run_worker
+from testbed.model import allocated, optimizer_for, release_memory
+from testbed.recipes import make_recipe, recipe_skip_reason
 
 STEPS_PER_PHASE = 2
 #: The drop-in stacks by report key: their defaults, and the microbatch cache option pinned.

@@ -28,8 +28,9 @@ import torch.nn.functional as F  # noqa: E402
 from _fsdp2_stack import build  # noqa: E402  (first: it puts the repository root on sys.path)
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from benchmarks._dist import guard, run_worker  # noqa: E402
-from benchmarks._model import allocated, make_recipe, optimizer_for, random_pair, rank, release_memory  # noqa: E402
+from testbed.dist import guard, run_worker  # noqa: E402
+from testbed.model import allocated, optimizer_for, random_pair, rank, release_memory  # noqa: E402
+from testbed.recipes import make_recipe  # noqa: E402
 
 SIZE = (2048, 8192, 16, 8)
 SEQ, BATCH, STEPS = 1024, 2, 10

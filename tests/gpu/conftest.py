@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-# benchmarks/_model.py holds the recipe table the GPU tests and benchmarks share.
+# testbed/recipes.py holds the recipe table the GPU tests and benchmarks share.
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -35,14 +35,14 @@ def _environment_skip() -> str | None:
 
 def recipe_skip_reason(name: str) -> str | None:
     """TE's own support check for the recipe on this GPU (None: supported)."""
-    from benchmarks._model import recipe_skip_reason as skip_reason  # imports torch: not at collection
+    from testbed.recipes import recipe_skip_reason as skip_reason  # imports torch: not at collection
 
     return skip_reason(name)
 
 
 def make_recipe(name: str):
     """The TE recipe object for ``name``."""
-    from benchmarks._model import make_recipe as recipe_for
+    from testbed.recipes import make_recipe as recipe_for
 
     return recipe_for(name)
 

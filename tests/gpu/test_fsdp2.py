@@ -162,7 +162,7 @@ def test_reported_bytes_agree_with_allocated_memory(report, recipe, qinit, micro
     difference in live workspace bytes between stock and drop-in equals the
     difference in ``torch.cuda.memory_allocated`` (each over what was
     allocated before its model was built), within 64 KiB per layer."""
-    from benchmarks.timeline import disagreement
+    from testbed.attribution import disagreement
 
     run = _attribution(report, recipe, qinit, micro, policy)
     stock, managed = run["stock"], run["managed"]

@@ -1,7 +1,7 @@
 """The code the GPU benchmarks and the GPU test workers share, on CPU.
 
-``benchmarks/_model.py`` builds the model both measure and
-``benchmarks/_dist.py`` holds the worker skeleton; the torchrun workers of
+``testbed/model.py`` builds the model both measure and
+``testbed/dist.py`` holds the worker skeleton; the torchrun workers of
 ``tests/gpu`` import them. Here, without CUDA or TE: the sharding step keeps
 the parameter attributes ``fully_shard`` drops (gloo, world size 1), the
 skeleton records failures and writes the report on rank 0 only, and every
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _dist  # noqa: E402
-from benchmarks._model import shard  # noqa: E402
+from testbed import dist as _dist  # noqa: E402
+from testbed.model import shard  # noqa: E402
 
 GPU_TESTS = ROOT / "tests" / "gpu"
 WORKERS = sorted(p for p in GPU_TESTS.glob("_*.py") if "def main" in p.read_text())
@@ -157,7 +157,7 @@ def test_every_worker_goes_through_the_shared_skeleton(worker):
     called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
               for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert "run_worker" in called
-    assert not called & {"init_process_group", "destroy_process_group", "barrier"}, "use benchmarks._dist.run_worker"
+    assert not called & {"init_process_group", "destroy_process_group", "barrier"}, "use testbed.dist.run_worker"
 
 
 def test_every_worker_imports_on_cpu_without_te():
@@ -177,7 +177,7 @@ def test_pin_policy_pins_every_drop_in_and_refuses_a_model_without_one(monkeypat
     and benchmarks measure the options, off by default, that way."""
     from _fake_te import TELinear, load_full_binding
 
-    from benchmarks._model import pin_policy
+    from testbed.model import pin_policy
     from workspace_manager import named_policy
 
     ti = load_full_binding(monkeypatch)

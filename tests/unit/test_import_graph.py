@@ -1,4 +1,8 @@
-"""Nothing under ``workspace_manager/`` imports in a circle.
+"""Nothing under ``workspace_manager/`` imports in a circle, no consumer of
+the core imports its private names, and the tests, the shared ``testbed``
+and the benchmarks import one another only one way: ``tests`` and
+``benchmarks`` import ``testbed``; ``testbed`` imports neither; ``tests``
+imports nothing from ``benchmarks`` nor ``benchmarks`` from ``tests``.
 
 The graph is drawn from the source (ast), not from ``sys.modules``: an
 import inside a function counts as much as one at the top, since a cycle
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import workspace_manager
 
@@ -120,7 +126,7 @@ def test_an_acyclic_package_passes(tmp_path):
 
 REPO = PACKAGE_DIR.parent
 #: Packages that use the core from outside; what they need must be public.
-CONSUMERS = ("te_integration", "benchmarks", "examples")
+CONSUMERS = ("te_integration", "benchmarks", "testbed", "examples")
 
 
 def private_imports(root: Path, package: str) -> list[str]:
@@ -159,4 +165,58 @@ def test_a_private_import_from_another_package_is_found(tmp_path):
     assert private_imports(tmp_path, "workspace_manager") == [
         "bad.py: from workspace_manager._profiles import X",
         "worse.py: from workspace_manager.testing import _model",
+    ]
+
+
+# -- tests, testbed and benchmarks ---------------------------------------------------------------
+
+#: folder -> the top-level packages nothing under it may import.
+FORBIDDEN = {"tests": ("benchmarks",), "testbed": ("benchmarks", "tests"), "benchmarks": ("tests",)}
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The absolute module names one node imports: an import statement, or a
+    call of ``importlib.import_module`` / ``__import__`` with a literal name."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.module and not node.level else []
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+            return [node.args[0].value]
+    return []
+
+
+def imports_of(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """``file: module`` for each import, under ``root``, of ``packages`` or a module in them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            found += [f"{path.relative_to(root)}: {module}" for module in _imported(node)
+                      if module.split(".")[0] in packages]
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_tests_testbed_and_benchmarks_import_one_way(folder):
+    assert (REPO / folder).is_dir(), folder
+    assert imports_of(REPO / folder, FORBIDDEN[folder]) == []
+
+
+def test_the_shared_testbed_is_what_both_sides_import():
+    # the check above is not vacuous: both sides do import testbed
+    assert imports_of(REPO / "tests" / "gpu", ("testbed",)) and imports_of(REPO / "benchmarks", ("testbed",))
+
+
+def test_an_import_of_a_forbidden_package_is_found(tmp_path):
+    _write(tmp_path, {
+        "ok.py": "import testbed.model\nfrom . import benchmarks\nfrom benchmarking import x\n",
+        "top.py": "from benchmarks import _harness\n",
+        "deferred.py": "def f():\n    import benchmarks.timeline\n",
+        "by_name.py": "import importlib\nimportlib.import_module('benchmarks.plot')\n__import__('tests')\n",
+    })
+    assert imports_of(tmp_path, ("benchmarks", "tests")) == [
+        "by_name.py: benchmarks.plot", "by_name.py: tests", "deferred.py: benchmarks.timeline", "top.py: benchmarks",
     ]

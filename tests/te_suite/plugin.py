@@ -1,7 +1,7 @@
-"""pytest plugin for ``benchmarks.te_suite``: runs TE's own tests with the
+"""pytest plugin for ``tests.te_suite``: runs TE's own tests with the
 drop-ins in place of ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``.
 
-Loaded with ``-p benchmarks._te_suite_plugin --te-suite-variant stock|dropin
+Loaded with ``-p tests.te_suite.plugin --te-suite-variant stock|dropin
 --te-suite-record DIR``. In ``pytest_configure``, before any test module is
 imported, the ``dropin`` variant rebinds the three names wherever TE exports
 them (:data:`NAMESPACES`) to the classes of ``--te-suite-dropins`` (default
@@ -136,7 +136,7 @@ _STATE: _Session | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("te-suite", "benchmarks.te_suite: stock TE or the drop-ins")
+    group = parser.getgroup("te-suite", "tests.te_suite: stock TE or the drop-ins")
     group.addoption("--te-suite-variant", choices=("stock", "dropin"), default=None,
                     help="stock: check TE's classes are its own; dropin: put the drop-ins in their place")
     group.addoption("--te-suite-record", default=None, help="folder for the record of what was done")

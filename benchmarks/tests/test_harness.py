@@ -326,12 +326,6 @@ def test_statistics():
     assert h.slope([8], [1.0]) is None
 
 
-def test_env_capture_without_git_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(h, "REPO_ROOT", tmp_path)  # not a git repository
-    monkeypatch.setenv("TE_WM_COMMIT", "abc123")
-    assert h.git_commit() == {"commit": "abc123", "dirty": None, "source": "TE_WM_COMMIT"}
-
-
 # -- plotting ------------------------------------------------------------------------------
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed here (it is not a CI dependency)")
 def test_plot_writes_pngs_for_a_tiny_synthetic_result(tmp_path):
@@ -405,14 +399,6 @@ def test_attribution_rows_check_leftovers_and_split_the_forward_allocation():
     bad = fsdp2_memory.attribution_rows("leak 8L x", st, _attrib(9.5, 0.0, [0, 3]), base)[0]
     assert bad["ok"] is False and "[0, 3]" in bad["note"]
     assert fsdp2_memory.attribution_rows("x", st, {"fwd_total_mib": 1.0}, base) == []
-
-
-def test_env_commit_wins_over_git(monkeypatch):
-    """A copy of the checkout may hold a stale .git; TE_WM_COMMIT names the real commit."""
-    monkeypatch.setenv("TE_WM_COMMIT", "c0ffee")
-    assert h.git_commit()["commit"] == "c0ffee"
-    monkeypatch.delenv("TE_WM_COMMIT")
-    assert h.git_commit()["source"] == "git"
 
 
 # -- paired step time -------------------------------------------------------------------------

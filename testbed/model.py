@@ -1,26 +1,26 @@
-"""The GPU models that the benchmarks and the GPU tests both build, and what
-every measurement of them needs.
+"""The GPU model that the benchmarks and the GPU tests both build, and what
+every measurement of it needs.
 
 The model: a stack of ``te.TransformerLayer`` (``fuse_qkv_params=True``,
 bf16 params, no dropout) under FSDP2 (``fully_shard`` on every layer and at
 the root), stock or from the drop-ins (``te_integration.managed_construction``),
 with bf16 params or under ``te.quantized_model_init``, optionally with
 ``te.checkpoint`` around every layer; seeded, so stock and drop-in start
-from the same weights. Around it: the TE recipe by name with TE's own
-support check, TE's FusedAdam with fp32 master weights, seeded random
-batches, the allocated-memory mark and a counter of weight quantizations.
+from the same weights. Around it: TE's FusedAdam with fp32 master weights,
+seeded random batches, the allocated-memory mark and a counter of weight
+quantizations. The recipes by name are in :mod:`testbed.recipes`.
 
 Why this module, and why here. ``benchmarks/_stack.py`` and
 ``tests/gpu/_fsdp2_stack.py`` each had their own copy of this code, the fix
 for the parameter attributes ``fully_shard`` drops included; one copy is
 what keeps a benchmark and a GPU test measuring the same model. It lives in
-``benchmarks`` because that is a package importable from the repository
-root (the CPU tests import it), whereas ``tests/gpu`` is a folder of scripts
-that torchrun starts by path: those workers put the repository root on
-``sys.path`` and import this module. It stays apart from ``_stack`` (the
-benchmarks' sizes, memory probes and timing loops), so that the tests import
-only what they build, and a change to how a benchmark measures cannot change
-what a test builds.
+``testbed``, a package importable from the repository root that both
+import, whereas ``tests/gpu`` is a folder of scripts that torchrun starts by
+path: those workers put the repository root on ``sys.path`` and import this
+module. It stays apart from ``benchmarks/_stack.py`` (the benchmarks' sizes,
+memory probes and timing loops), so that the tests import only what they
+build, and a change to how a benchmark measures cannot change what a test
+builds.
 
 TE, CUDA, ``torch.distributed`` and ``te_integration`` are imported inside
 the functions: importing this module needs torch only.
@@ -40,12 +40,10 @@ __all__ = [
     "allocated",
     "build_stack",
     "cached_workspaces",
-    "make_recipe",
     "optimizer_for",
     "pin_policy",
     "random_pair",
     "rank",
-    "recipe_skip_reason",
     "release_memory",
     "shard",
 ]
@@ -74,33 +72,6 @@ class Stack(torch.nn.Sequential):
         for layer in self:
             x = te.checkpoint(layer, x, is_first_microbatch=is_first_microbatch, use_reentrant=reentrant)
         return x
-
-
-# -- recipes -----------------------------------------------------------------------
-def make_recipe(name: str):
-    """The TE recipe object for ``name``; None for bf16 (FP8 off)."""
-    if name == "bf16":
-        return None
-    from transformer_engine.common import recipe
-
-    return getattr(recipe, name)()
-
-
-def recipe_skip_reason(name: str) -> str | None:
-    """TE's own support check for the recipe on this GPU (None: supported)."""
-    if name == "bf16":
-        return None
-    from transformer_engine.pytorch import quantization as q
-
-    check = {
-        "DelayedScaling": q.check_fp8_support,
-        "Float8CurrentScaling": q.check_fp8_support,
-        "Float8BlockScaling": q.check_fp8_block_scaling_support,
-        "MXFP8BlockScaling": q.check_mxfp8_support,
-        "NVFP4BlockScaling": q.check_nvfp4_support,
-    }[name]
-    ok, reason = check()
-    return None if ok else f"{name}: {reason}"
 
 
 # -- the model ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The comparison half of ``benchmarks.te_suite``: per-test outcomes from
+"""The comparison half of ``tests.te_suite``: per-test outcomes from
 JUnit XML, stock against drop-in, and the summary. Pure Python (no torch,
-no TE); ``tests/unit/test_te_suite.py`` covers it on synthetic files.
+no TE); ``tests/te_suite/test_te_suite.py`` covers it on synthetic files.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class RunStatus(str, enum.Enum):
 
 
 class Verdict(enum.Enum):
-    """The answer, and the exit status of ``benchmarks.te_suite``."""
+    """The answer, and the exit status of ``tests.te_suite``."""
 
     IDENTICAL = 0  # every test ran in both variants with the same outcome
     DIFFERENT = 1  # some test's outcome differs, or it ran in one variant only

@@ -1,8 +1,9 @@
-"""Launching an FSDP2 benchmark or GPU test worker: torchrun, CUDA, TE and
-NCCL, checked with errors that say what to do; the process group; and the
-skeleton every torchrun worker of ``tests/gpu`` shares (:func:`run_worker`).
-torch.distributed, CUDA and TE are imported inside the functions, so
-importing this module needs none of them."""
+"""The NCCL process group of one torchrun rank (:class:`Dist`), the
+environment it runs under (:data:`SAFE_ENV`), and the skeleton every
+torchrun worker of ``tests/gpu`` shares (:func:`run_worker`, :func:`guard`);
+the GPU benchmarks use the same group and guard. torch.distributed, CUDA and
+TE are imported inside the functions, so importing this module needs none
+of them."""
 
 from __future__ import annotations
 
@@ -14,49 +15,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SAFE_ENV", "Dist", "guard", "launch_message", "require_launch", "run_worker"]
+__all__ = ["SAFE_ENV", "Dist", "guard", "run_worker"]
 
-#: NVLink multicast (NVLS) stays off: the benchmarks do not need it, and on
+#: NVLink multicast (NVLS) stays off: neither the benchmarks nor the tests need it, and on
 #: hosts whose GPUs are shared or partitioned its setup can fail. Set only
 #: where the caller has not set them, so a user can turn it back on.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def launch_message(name: str, argv: Sequence[str], ranks: int, world: int) -> str:
-    args = " ".join(argv)
-    found = "it was started without torchrun" if world == 0 else f"it was started with {world} rank(s)"
-    return (f"benchmarks.{name} runs FSDP2 on 1 or 2 GPUs (world size = the GPUs present), one process each, "
-            f"but {found}. Launch it with:\n"
-            f"  torchrun --nproc_per_node=2 -m benchmarks.{name} {args}".rstrip() + "\n"
-            "(--nproc_per_node=1 on a machine with one GPU; "
-            "it needs TE: pip install -e '.[te,test,bench]'; "
-            "`python -m benchmarks.run_all` launches every benchmark)")
-
-
-def require_launch(name: str, argv: Sequence[str], *, ranks: int = 1) -> None:
-    """Exit with a message saying how to launch, unless this process is one
-    of >= ``ranks`` torchrun ranks on a CUDA machine with TE importable (one
-    rank is FSDP2 at world size 1: a mesh of one GPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "0") or 0) if "LOCAL_RANK" in os.environ else 0
-    if world < ranks:
-        raise SystemExit(launch_message(name, argv, ranks, world))
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit(f"benchmarks.{name} needs CUDA GPUs; torch {torch.__version__} sees none here.")
-    local = int(os.environ["LOCAL_RANK"])
-    if local >= torch.cuda.device_count():
-        raise SystemExit(f"benchmarks.{name}: LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s); "
-                         f"use --nproc_per_node={torch.cuda.device_count()} or fewer")
-    try:
-        import te_integration  # noqa: F401
-    except ImportError as err:
-        raise SystemExit(f"benchmarks.{name} needs TransformerEngine 2.20 with te_integration: {err}\n"
-                         "Install it with: pip install -e '.[te,test,bench]'") from None
-
-
 class Dist:
-    """This rank, and the few collectives the benchmarks need. ``timeout_s``
+    """This rank, and the few collectives the benchmarks and workers need. ``timeout_s``
     None: torch's own default for NCCL collectives."""
 
     def __init__(self, timeout_s: float | None = 300.0) -> None:
@@ -109,7 +77,7 @@ def guard(report: dict, where: str, fn: Callable[[], Any],
         fn()
     except catch:
         report["errors"].append({"where": where, "traceback": traceback.format_exc()})
-        from ._model import release_memory
+        from .model import release_memory
 
         release_memory()
         return False

@@ -1,12 +1,12 @@
 """TransformerEngine's own PyTorch tests, stock against the drop-ins.
 
-    python3 -m benchmarks.te_suite --tests-dir DIR --out OUT [--quick] [--files PATH ...] [-k EXPR]
+    python3 -m tests.te_suite --tests-dir DIR --out OUT [--quick] [--files PATH ...] [-k EXPR]
 
 ``DIR`` is a folder of TE's ``tests/pytorch`` files (TE's, not part of this
 repository). Each selected file runs twice, each time in its own pytest
 process on a fresh copy of ``DIR``: once on stock TE, once with
 ``te.Linear``, ``te.LayerNormLinear`` and ``te.LayerNormMLP`` replaced by
-``te_integration``'s drop-ins (``benchmarks._te_suite_plugin`` swaps them
+``te_integration``'s drop-ins (``tests.te_suite.plugin`` swaps them
 before any test module is imported). The FSDP2 suite runs under torchrun on
 the GPUs present (at most 2). The per-test outcomes, read from JUnit XML, are
 compared; ``OUT/summary.md`` and ``OUT/comparison.json`` say what differs,
@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _harness as h
-from ._dist import SAFE_ENV
-from ._te_suite_report import (
+from testbed.dist import SAFE_ENV
+from testbed.record import REPO_ROOT, capture_env, jsonable
+
+from .report import (
     Comparison,
     Run,
     RunStatus,
@@ -55,7 +56,7 @@ from ._te_suite_report import (
 __all__ = ["Launcher", "Entry", "FULL", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
            "pytest_command", "collect_run"]
 
-PLUGIN = "benchmarks._te_suite_plugin"
+PLUGIN = "tests.te_suite.plugin"
 #: The copy's folder name, as in TE's own layout (tests/pytorch).
 COPY_NAME = "pytorch"
 #: After a per-file timeout: pytest gets SIGINT (it then writes its JUnit
@@ -126,7 +127,7 @@ class Plan:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m benchmarks.te_suite", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m tests.te_suite", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tests-dir", type=Path, required=True, metavar="DIR",
                    help="folder holding TE's tests/pytorch files (test_sanity.py, ..., fsdp2/)")
@@ -211,7 +212,7 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
     for key, value in SAFE_ENV.items():
         env.setdefault(key, value)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(h.REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -342,7 +343,7 @@ def make_copy(tests_dir: Path, parent: Path) -> Path:
         path.chmod(path.stat().st_mode | 0o200)  # TE's tests write files next to themselves
     ini = copy / "pytest.ini"
     if not ini.exists():
-        ini.write_text("[pytest]\n# Written by benchmarks.te_suite: this copy's tests run with pytest's defaults.\n")
+        ini.write_text("[pytest]\n# Written by tests.te_suite: this copy's tests run with pytest's defaults.\n")
     return copy
 
 
@@ -451,11 +452,11 @@ def redacted_command(argv: Sequence[str]) -> str:
         else:
             out.append(arg)
             skip = names.get(arg)
-    return "python3 -m benchmarks.te_suite " + shlex.join(out)
+    return "python3 -m tests.te_suite " + shlex.join(out)
 
 
 def _meta(plan: Plan, argv: Sequence[str], comparison: Comparison) -> dict:
-    env = h.capture_env()
+    env = capture_env()
     recorded = [r.record.get("te_version") for pair in comparison.pairs for r in pair if r.record]
     env["te"] = next((v for v in recorded if v), env.get("te"))
     return {"command": redacted_command(argv), "environment": env, "tests_fingerprint": fingerprint(plan.tests_dir),
@@ -467,7 +468,7 @@ def _meta(plan: Plan, argv: Sequence[str], comparison: Comparison) -> dict:
 def write_outputs(plan: Plan, comparison: Comparison, meta: dict) -> str:
     summary = render_summary(comparison, meta)
     (plan.out / "summary.md").write_text(summary)
-    (plan.out / "comparison.json").write_text(json.dumps(h.jsonable(comparison_json(comparison, meta)), indent=1)
+    (plan.out / "comparison.json").write_text(json.dumps(jsonable(comparison_json(comparison, meta)), indent=1)
                                               + "\n")
     write_outcomes(comparison, plan.out / "outcomes.jsonl")
     return summary

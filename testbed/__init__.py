@@ -1,0 +1,21 @@
+"""What the tests and the benchmarks share: the GPU model they both build,
+the torchrun worker skeleton, TE's recipes by name, the environment a
+result records, and the reading of the attribution report. One copy keeps a
+GPU test and a benchmark measuring the same thing.
+
+| module | holds |
+|---|---|
+| ``model`` | the FSDP2 stack of ``te.TransformerLayer`` (stock or drop-in), its optimizer, seeded data, memory marks, the quantization counter |
+| ``recipes`` | TE's recipe objects by name and TE's own support check |
+| ``dist`` | the NCCL process group of a torchrun rank, ``guard`` and the GPU workers' skeleton ``run_worker`` |
+| ``record`` | what a result records about where it ran (commit, TE, torch, GPUs) and its JSON values |
+| ``attribution`` | how far the attribution report's bytes and allocated memory disagree |
+
+``tests`` and ``benchmarks`` import this package; it imports neither. It is
+not installed by pip (``pyproject.toml`` ships ``workspace_manager`` and
+``te_integration`` only): it is imported from the repository root, which
+``python3 -m pytest`` and ``python3 -m benchmarks.<name>`` put on
+``sys.path``, and which the torchrun workers of ``tests/gpu`` put there
+themselves. TE, CUDA and ``torch.distributed`` are imported inside the
+functions that use them, so importing any module here needs torch at most.
+"""
