@@ -26,6 +26,7 @@ from ._errors import (
     PolicyMismatchError,
     QuantizerPluginError,
     UnknownQuantizerError,
+    UnknownRecipeError,
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "PolicyMismatchError",
     "UnsupportedPlanError",
     "UnknownQuantizerError",
+    "UnknownRecipeError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",
