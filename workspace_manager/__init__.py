@@ -26,6 +26,7 @@ from ._errors import (
     PolicyMismatchError,
     QuantizerPluginError,
     UnknownQuantizerError,
+    UnknownRecipeError,
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "PolicyMismatchError",
     "UnsupportedPlanError",
     "UnknownQuantizerError",
+    "UnknownRecipeError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",

@@ -6,13 +6,14 @@ import argparse
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, decision_table, render_json, render_text
+from ._explain import POLICY_CHOICES, TextOptions, decision_table, render_json, render_text
 from ._profiles import PROFILES, RECIPE_PROFILES
 
-#: The default --width: the table, its notes and its legend fit 120 columns.
-DEFAULT_WIDTH = 120
+#: The default --width: a terminal's. The plan columns fit; the quantizers
+#: that share a plan go under it where they do not fit beside it.
+DEFAULT_WIDTH = 80
 #: Below this the plan columns of ``--full`` do not fit.
-MIN_WIDTH = 100
+MIN_WIDTH = 80
 
 
 def _profile_choices() -> dict[str, object]:
@@ -48,9 +49,17 @@ def _width(value: str) -> int:
     return width
 
 
+#: The subcommands, in the order ``--help`` lists them.
+COMMANDS = ("explain",)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workspace_manager")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="python -m workspace_manager",
+        description="Explicit lifetimes for TransformerEngine's quantized weight workspaces.",
+        epilog="Start with: python -m workspace_manager explain --policy fsdp2",
+    )
+    sub = parser.add_subparsers(dest="command", title="subcommands", metavar="COMMAND")
     explain = sub.add_parser("explain", help="print the decision table (policy x setting x quantizer -> plan)")
     explain.add_argument("--json", action="store_true", help="print JSON instead of a text table")
     explain.add_argument(
@@ -67,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"Profiles: {', '.join(PROFILES)}",
     )
     explain.add_argument(
-        "--full", action="store_true", help="also vary dgrad and backward_override (a longer table)"
+        "--full", action="store_true",
+        help="also vary dgrad and backward_override, and merge no rows (a much longer table)"
     )
     explain.add_argument("--why", action="store_true", help="print each plan's reasons under it")
     explain.add_argument(
@@ -88,11 +98,19 @@ def selected_profiles(quantizers: list[str] | None, recipes: list[str] | None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. 'python -m workspace_manager explain')")
     profiles = selected_profiles(args.quantizer, args.recipe)
     policies = list(dict.fromkeys(args.policy)) if args.policy else None
     rows = decision_table(profiles, policies, full=args.full)
-    sys.stdout.write(render_json(rows) + "\n" if args.json else render_text(rows, width=args.width, why=args.why))
+    if args.json:
+        sys.stdout.write(render_json(rows) + "\n")
+        return 0
+    named = bool(args.recipe or args.quantizer)
+    options = TextOptions(width=args.width, why=args.why, merge=not args.full, capabilities=named)
+    sys.stdout.write(render_text(rows, options))
     return 0
 
 

@@ -1,9 +1,9 @@
 """Exceptions raised by the workspace manager.
 
 Every error raised for user input is a subclass of :class:`ValueError` or
-:class:`TypeError`, so callers that already guard configuration code with
-those built-ins keep working, and each message says what was received and
-what is allowed.
+:class:`TypeError` (a lookup in a mapping, :class:`KeyError`), so callers that
+already guard configuration code with those built-ins keep working, and each
+message says what was received and what is allowed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ __all__ = [
     "PolicyMismatchError",
     "UnsupportedPlanError",
     "UnknownQuantizerError",
+    "UnknownRecipeError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",
@@ -48,6 +49,15 @@ class UnsupportedPlanError(PolicyMismatchError):
 
 class UnknownQuantizerError(WorkspaceManagerError, TypeError):
     """No capabilities are registered for a quantizer class or any of its bases."""
+
+
+class UnknownRecipeError(WorkspaceManagerError, KeyError):
+    """``RECIPE_PROFILES[name]`` for a name that is no TE recipe. A
+    :class:`KeyError`, so ``in`` and ``.get`` work as for any mapping; its
+    message names the recipes that exist."""
+
+    def __str__(self) -> str:  # KeyError's own quotes the message as a repr
+        return str(self.args[0]) if self.args else ""
 
 
 class DuplicateQuantizerError(WorkspaceManagerError, ValueError):

@@ -22,7 +22,8 @@ from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePl
 from ._selection import POLICY_NAMES, named_policy
 
 __all__ = ["DecisionRow", "decision_table", "render_text", "render_json", "plan_notes", "POLICY_CHOICES",
-           "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label"]
+           "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label", "SettingBlock",
+           "setting_blocks", "TextOptions"]
 
 
 @dataclass(frozen=True)
@@ -139,32 +140,36 @@ _INDENT = "  "
 #: One line per term the table prints: setting words, cell values, column names.
 LEGEND: dict[str, str] = {
     # settings
-    "unsharded": "the weight is whole on every rank (single GPU, DDP, tensor parallel)",
-    "fsdp2_reshard": "FSDP2, fully_shard(..., reshard_after_forward=True): gathered again for backward",
-    "fsdp2_keep": "FSDP2, fully_shard(..., reshard_after_forward=False): the gathered weight stays until backward",
-    "distributed_weight": "TE DistributedWeight (e.g. GTP): the module gathers the weight itself",
-    "recompute:first": "first forward inside te.checkpoint (its output is recomputed before backward)",
-    "recompute:recompute": "the recompute pass of te.checkpoint, run just before backward",
-    "recompute:first(own)": "first forward of LayerNormMLP(checkpoint=True), the module's own recompute",
-    "recompute:recompute(own)": "recompute pass of LayerNormMLP(checkpoint=True), run by the module in backward",
+    "unsharded": "whole weight on each rank (one GPU, DDP, tensor parallel)",
+    "fsdp2_reshard": "FSDP2, reshard_after_forward=True: gathered for backward",
+    "fsdp2_keep": "FSDP2, reshard_after_forward=False: kept until backward",
+    "fsdp2_any": "FSDP2, either reshard_after_forward: the same plans",
+    "recompute:first(any)": "te.checkpoint's or LayerNormMLP's own first forward",
+    "recompute:recompute(any)": "te.checkpoint's or LayerNormMLP's own recompute pass",
+    "distributed_weight": "TE DistributedWeight (e.g. GTP): the module gathers it",
+    "recompute:first": "te.checkpoint's first forward, recomputed before backward",
+    "recompute:recompute": "te.checkpoint's recompute pass, just before backward",
+    "recompute:first(own)": "first forward of LayerNormMLP(checkpoint=True)",
+    "recompute:recompute(own)": "LayerNormMLP(checkpoint=True)'s recompute, in backward",
     "train": "grad enabled: backward will run",
     "no_grad": "torch.no_grad() or inference: no backward",
     "no_dgrad": "the input needs no gradient: backward computes no dgrad",
-    "hp_weight": "the parameter is high precision (bf16/fp32); TE quantizes it into a workspace",
-    "qparam": "the parameter is already quantized (built under te.quantized_model_init)",
-    "mb:none": "is_first_microbatch=None: no gradient accumulation, no cache",
-    "mb:first": "is_first_microbatch=True: first microbatch of a step",
-    "mb:later": "is_first_microbatch=False: a later microbatch, the weight has not changed",
+    "hp_weight": "high-precision parameter (bf16/fp32); TE quantizes it",
+    "qparam": "quantized parameter (te.quantized_model_init)",
+    "mb:none": "is_first_microbatch=None: no gradient accumulation",
+    "mb:first": "is_first_microbatch=True: a step's first microbatch",
+    "mb:later": "is_first_microbatch=False: a later one, same weight",
+    "mb:any": "any is_first_microbatch (None, True, False): same plans",
     "override:high_precision": "backward_override='high_precision': dgrad reads the high-precision weight",
     "override:dequantized": "backward_override='dequantized': dgrad reads the dequantized rowwise weight",
     # columns
-    "cache": "column: what happens to the module's cached workspace (microbatches)",
+    "cache": "column: the module's cached workspace (microbatches)",
     "forward": "column: the usages forward quantizes",
-    "backward": "column: what backward gets for dgrad, and its usages (source:usages)",
-    "dgrad col": "column: where the columnwise data dgrad reads comes from",
+    "backward": "column: what dgrad gets, and its usages (source:usages)",
+    "dgrad col": "column: where dgrad's columnwise data comes from",
     "release": "column: what is freed explicitly after backward",
     "param": "column: what a quantized parameter keeps between steps",
-    "quantizers": "column: the quantizers that share the row's plan",
+    "quantizers": "column: the quantizers that share the row's plan (blank: all)",
     # cell values
     "bypass": "cache: not cached, quantized for this call only",
     "fill": "cache: quantize and store in the cache",
@@ -176,14 +181,14 @@ LEGEND: dict[str, str] = {
     "row+col": "rowwise and columnwise data",
     "saved_ws": "backward: the workspace saved in forward",
     "saved_param": "backward: the quantized parameter itself",
-    "requant": "quantized again from the high-precision weight in backward",
+    "requant": "quantized again from the high-precision weight",
     "regather": "backward: the distributed weight is gathered again",
     "hp": "backward: the high-precision weight (no quantized copy)",
     "fwd": "dgrad col: made by forward, with the rowwise data",
-    "derived": "dgrad col: derived from rowwise data, without requantizing",
-    "gathered": "dgrad col: columnwise data arrives with FSDP2's all-gather",
-    "derived_col": "release: derived columnwise data on the parameter, which FSDP2 cannot free (TE#2717)",
-    "all": "quantizers: every quantizer shown agrees on the row",
+    "derived": "dgrad col: derived from rowwise data, not requantized",
+    "gathered": "dgrad col: arrives with FSDP2's all-gather",
+    "derived_col": "release: derived columnwise data FSDP2 cannot free",
+    "all but": "quantizers: every one but those named",
 }
 
 
@@ -278,17 +283,15 @@ def _cell_terms(cell: str) -> list[str]:
     return [t for part in cell.split(":") for t in ([part] if part in LEGEND else part.split("+"))]
 
 
-def _plan_lines(key: str, group: _Group, widths: list[int], width: int, why: bool) -> list[str]:
-    cells = (key, *plan_cells(group.plan))
-    head = _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  "
-    if len(head) + max(len(n) + 1 for n in group.names) <= width:
-        lines = _wrap(", ".join(group.names), width, head, " " * len(head), sep=", ")
-    else:  # no room beside the plan: the quantizers go below it
-        lines = [head.rstrip()] + _wrap(", ".join(group.names), width, _INDENT * 3, _INDENT * 3, sep=", ")
-    if why:
-        for note in group.notes:
-            lines += _wrap(f"why: {note}", width, _INDENT * 3, _INDENT * 3 + "     ")
-    return lines
+@dataclass(frozen=True)
+class SettingBlock:
+    """One heading of the text table (a setting without its microbatch
+    position) and its rows: (position, the groups of quantizers that share a
+    plan). Merged blocks say ``mb:any`` or ``fsdp2_any`` where every
+    position, or both FSDP2 shardings, give the same plans."""
+
+    heading: str
+    rows: tuple[tuple[str, tuple[_Group, ...]], ...]
 
 
 def _split_setting(setting: str) -> tuple[str, str]:
@@ -299,63 +302,245 @@ def _split_setting(setting: str) -> tuple[str, str]:
     return " ".join(w for w in words if w != key), key
 
 
-def _legend_terms(rows: list[DecisionRow]) -> dict[str, str]:
-    """Term -> meaning for every term the table of ``rows`` prints, in the
+def _blocks(settings: dict[str, list[_Group]]) -> list[SettingBlock]:
+    by_heading: dict[str, list[tuple[str, tuple[_Group, ...]]]] = {}
+    for setting, groups in settings.items():
+        heading, key = _split_setting(setting)
+        by_heading.setdefault(heading, []).append((key, tuple(groups)))
+    return [SettingBlock(h, tuple(r)) for h, r in by_heading.items()]
+
+
+def _shown(groups: tuple[_Group, ...], why: bool) -> tuple:
+    """What the table prints of a row's groups: cells and quantizers (and,
+    with ``why``, the reasons). Rows that print the same may be merged."""
+    return tuple((plan_cells(g.plan), g.names, g.notes if why else ()) for g in groups)
+
+
+def _merge_microbatches(block: SettingBlock, why: bool) -> SettingBlock:
+    """One ``mb:any`` row where every microbatch position prints the same."""
+    shown = {_shown(groups, why) for _, groups in block.rows}
+    if len(block.rows) > 1 and len(shown) == 1:
+        return SettingBlock(block.heading, (("mb:any", block.rows[0][1]),))
+    return block
+
+
+@dataclass(frozen=True)
+class _Merge:
+    """Setting words that ``merged`` stands for where every one of them
+    prints the same rows, the rest of the heading being equal."""
+
+    words: tuple[str, ...]
+    merged: str
+
+
+#: The heading words merged where they agree (the microbatch position, the
+#: row key, is merged by :func:`_merge_microbatches`).
+_MERGES = (
+    _Merge((Sharding.FSDP2_RESHARD.value, Sharding.FSDP2_KEEP.value), "fsdp2_any"),
+    _Merge(("recompute:first", "recompute:first(own)"), "recompute:first(any)"),
+    _Merge(("recompute:recompute", "recompute:recompute(own)"), "recompute:recompute(any)"),
+)
+
+
+def _merge_words(blocks: list[SettingBlock], merge: _Merge, why: bool) -> list[SettingBlock]:
+    """One block with ``merge.merged`` where the blocks with each of
+    ``merge.words`` print the same, in the place of the first of them."""
+    def split(block: SettingBlock) -> tuple[str | None, tuple[str, ...]]:
+        words = block.heading.split()
+        at = next((i for i, w in enumerate(words) if w in merge.words), None)
+        return (None, ()) if at is None else (words[at], (*words[:at], "\0", *words[at + 1:]))
+
+    alike: dict[tuple[str, ...], dict[str, tuple]] = {}
+    for block in blocks:
+        word, rest = split(block)
+        if word is not None:
+            alike.setdefault(rest, {})[word] = tuple((k, _shown(g, why)) for k, g in block.rows)
+    merged = {rest for rest, by in alike.items() if len(by) == len(merge.words) and len(set(by.values())) == 1}
+    out: list[SettingBlock] = []
+    for block in blocks:
+        word, rest = split(block)
+        if rest not in merged:
+            out.append(block)
+        elif word == next(iter(alike[rest])):
+            out.append(SettingBlock(" ".join(merge.merged if w == "\0" else w for w in rest), block.rows))
+    return out
+
+
+def setting_blocks(
+    rows: list[DecisionRow], *, merge: bool = True, why: bool = False
+) -> dict[str, list[SettingBlock]]:
+    """Per policy, the text table's headings with their rows. With ``merge``,
+    settings whose microbatch positions (or FSDP2 shardings) print the same
+    are one (with ``why``, their reasons must agree too)."""
+    out = {}
+    for policy, settings in group_settings(rows).items():
+        blocks = _blocks(settings)
+        if merge:
+            blocks = [_merge_microbatches(b, why) for b in blocks]
+            for word_merge in _MERGES:
+                blocks = _merge_words(blocks, word_merge, why)
+        out[policy] = blocks
+    return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The columns' widths, the line width, whether reasons are printed,
+    and the quantizers of the policy's table (for ``all but ...``)."""
+
+    widths: tuple[int, ...]
+    width: int
+    why: bool
+    everyone: tuple[str, ...]
+
+
+def _quantizers(names: tuple[str, ...], room: int, everyone: tuple[str, ...]) -> str:
+    """The quantizers of a row, listed; ``all but ...`` instead where the
+    list does not fit ``room`` and naming the others is shorter."""
+    listed = ", ".join(names)
+    others = [n for n in everyone if n not in names]
+    if len(listed) <= room or not others or len(others) >= len(names) or set(names) - set(everyone):
+        return listed
+    return "all but " + ", ".join(others)
+
+
+def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
+    """A row: its key, the plan's cells and, beside them or under them where
+    they do not fit, the quantizers that share it (none where all do)."""
+    width = layout.width
+    cells = (key, *plan_cells(group.plan))
+    head = _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, layout.widths)) + "  "
+    under = _INDENT * 3
+    names = _quantizers(group.names, width - len(under), layout.everyone)
+    if group.names == ("all",):
+        lines = [head.rstrip()]
+    elif len(head) + max(len(n) for n in names.split(", ")) + ("," in names) <= width:
+        lines = _wrap(names, width, head, " " * len(head), sep=", ")
+    else:  # no room beside the plan: the quantizers go below it
+        lines = [head.rstrip()] + _wrap(names, width, under, under, sep=", ")
+    if layout.why:
+        for note in group.notes:
+            lines += _wrap(f"why: {note}", width, under, under + "     ")
+    return lines
+
+
+def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tuple[str, ...]) -> list[str]:
+    """The column header, then per heading its rows; the last column's
+    name is left out of the header where it does not fit."""
+    columns = ("", *_COLUMNS[:-1])
+    widths = [len(c) for c in columns]
+    for block in blocks:
+        for key, groups in block.rows:
+            for group in groups:
+                widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
+    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
+    if len(header) > width:
+        header = header[: -len(_COLUMNS[-1])].rstrip()
+    lines = [header, _INDENT + "-" * (len(header) - len(_INDENT))]
+    layout = _Layout(tuple(widths), width, why, everyone)
+    for block in blocks:
+        lines += _wrap(block.heading, width, "", _INDENT)
+        for key, groups in block.rows:
+            for i, group in enumerate(groups):
+                lines += _plan_lines(key if i == 0 else "", group, layout)
+    return lines
+
+
+def _summary_lines(policy: str, width: int) -> list[str]:
+    """The policy's constructor and its one-line summaries, wrapped."""
+    from ._summary import POLICY_SUMMARIES
+
+    summary = POLICY_SUMMARIES.get(policy)
+    if summary is None:
+        return []
+    lines = _wrap(summary.construct, width, _INDENT, _INDENT * 3, sep=", ")
+    pad = max(len(label) for label, _ in summary.lines()) + 2
+    for label, text in summary.lines():
+        lines += _wrap(text, width, _INDENT + f"{label}:".ljust(pad), _INDENT + " " * pad)
+    return lines
+
+
+def _legend_terms(blocks: list[SettingBlock], profiles: Iterable[str], capabilities: bool) -> dict[str, str]:
+    """Term -> meaning for every term the table of ``blocks`` prints, in the
     order: columns, settings, cell values, quantizers."""
     settings: dict[str, None] = {}
     values: dict[str, None] = {}
-    for policy_settings in group_settings(rows).values():
-        for setting, groups in policy_settings.items():
-            settings.update(dict.fromkeys(setting.split()))
+    for block in blocks:
+        settings.update(dict.fromkeys(block.heading.split()))
+        for key, groups in block.rows:
+            settings[key] = None
             for group in groups:
                 for cell in plan_cells(group.plan):
                     values.update(dict.fromkeys(_cell_terms(cell)))
-                if group.names == ("all",):
-                    values["all"] = None
     terms = {t: LEGEND[t] for t in (*_COLUMNS, *settings, *values)}
-    for profile in dict.fromkeys(r.context.capabilities.name for r in rows):
-        recipe = _recipe_names().get(profile)
-        terms[quantizer_label(profile)] = (
-            f"TE recipe; its weight quantizer's capability profile is {profile}"
-            if recipe else "capability profile that no TE recipe selects by default"
-        )
+    for profile in dict.fromkeys(profiles):
+        terms[quantizer_label(profile)] = _profile_meaning(profile, capabilities)
     return terms
 
 
-def render_legend(rows: list[DecisionRow], width: int = 120) -> str:
-    """One line per term that the table of ``rows`` prints (wrapped to ``width``)."""
-    terms = _legend_terms(rows)
+#: The capabilities, in the words of QuantizerCapabilities' fields.
+_CAPABILITIES = ("columnwise_derivable", "derived_caches", "requantization_safe")
+
+
+def _profile_meaning(profile: str, capabilities: bool) -> str:
+    """What a quantizer name in the table stands for; with ``capabilities``,
+    the capabilities it has (the table's plans follow from them)."""
+    from ._profiles import PROFILES
+
+    what = (f"TE recipe; weight capability profile {profile}" if profile in _recipe_names()
+            else "capability profile that no TE recipe selects by default")
+    caps = PROFILES.get(profile)
+    if not capabilities or caps is None:
+        return what
+    held = [f for f in _CAPABILITIES if getattr(caps, f)]
+    return f"{what}: {', '.join(held) or 'none of ' + ', '.join(_CAPABILITIES)}"
+
+
+def _legend_lines(terms: dict[str, str], width: int) -> list[str]:
     pad = max(len(t) for t in terms)
     lines = ["legend:"]
     for term, meaning in terms.items():
         lines += _wrap(f"{term.ljust(pad)}  {meaning}", width, _INDENT, _INDENT + " " * (pad + 2))
-    return "\n".join(lines)
+    return lines
 
 
-def render_text(rows: list[DecisionRow], *, width: int = 120, why: bool = False) -> str:
-    """Per policy, a heading per setting without its microbatch position,
-    then a row per position: its plan once if every quantizer agrees, else
-    one row per group of quantizers that agree, under each other. Then the
-    legend. Lines are at most ``width`` wide, save a single word longer than a line."""
-    grouped = group_settings(rows)
-    columns = ("", *_COLUMNS[:-1])
-    widths = [len(c) for c in columns]
-    for settings in grouped.values():
-        for setting, groups in settings.items():
-            for group in groups:
-                cells = (_split_setting(setting)[1], *plan_cells(group.plan))
-                widths = [max(w, len(c)) for w, c in zip(widths, cells)]
-    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
-    blocks = []
-    for policy, settings in grouped.items():
-        body = [f"== policy: {policy} ==", header, _INDENT + "-" * (len(header) - len(_INDENT))]
-        heading = None
-        for setting, groups in settings.items():
-            top, key = _split_setting(setting)
-            if top != heading:
-                body.append(top)
-                heading = top
-            for i, group in enumerate(groups):
-                body += _plan_lines(key if i == 0 else "", group, widths, width, why)
-        blocks.append("\n".join(body))
-    return "\n\n".join(blocks + [render_legend(rows, width)]) + "\n"
+@dataclass(frozen=True)
+class TextOptions:
+    """How :func:`render_text` lays the table out. ``width``: the most
+    columns a line takes. ``why``: each plan's reasons under it. ``merge``:
+    one row (``mb:any``, ``fsdp2_any``) for settings that print the same
+    (``explain --full`` turns it off). ``capabilities``: the legend gives each
+    quantizer's capabilities (``explain`` does when quantizers are named)."""
+
+    width: int = 80
+    why: bool = False
+    merge: bool = True
+    capabilities: bool = False
+
+
+def render_legend(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
+    """One line per term that the table of ``rows`` prints (wrapped to the width)."""
+    blocks = [b for bs in setting_blocks(rows, merge=options.merge, why=options.why).values() for b in bs]
+    profiles = (r.context.capabilities.name for r in rows)
+    return "\n".join(_legend_lines(_legend_terms(blocks, profiles, options.capabilities), options.width))
+
+
+def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
+    """Per policy: its constructor and what it is for, keeps and trades; a
+    heading per setting without its microbatch position, then a row per
+    position (one ``mb:any`` row where they agree, with ``merge``): its plan
+    once if every quantizer agrees, else one row per group of quantizers that
+    agree, under each other; then the legend of the terms that policy's table
+    uses. Lines are at most ``width`` wide, save a single word longer than a line."""
+    width = options.width
+    out = []
+    for policy, blocks in setting_blocks(rows, merge=options.merge, why=options.why).items():
+        profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
+        table = _table_lines(blocks, width, options.why, tuple(quantizer_label(p) for p in profiles))
+        terms = _legend_terms(blocks, profiles, options.capabilities)
+        if any(line.lstrip().startswith("all but ") for line in table):
+            terms = {**terms, "all but": LEGEND["all but"]}
+        body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table, "",
+                *_legend_lines(terms, width)]
+        out.append("\n".join(body))
+    return "\n\n".join(out) + "\n"

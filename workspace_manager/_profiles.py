@@ -9,9 +9,11 @@ allocate themselves, and which re-quantize exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._context import QuantizerCapabilities
+from ._errors import UnknownRecipeError
 
 __all__ = [
     "FLOAT8_DELAYED_SCALING",
@@ -23,6 +25,7 @@ __all__ = [
     "NVFP4_1D",
     "HYBRID",
     "RECIPE_PROFILES",
+    "RecipeProfiles",
     "PROFILES",
     "TE_QUANTIZER_PROFILES",
 ]
@@ -69,14 +72,44 @@ HYBRID = QuantizerCapabilities(
     name="hybrid", columnwise_derivable=False, derived_caches=False, requantization_safe=False
 )
 
+class RecipeProfiles(Mapping[str, QuantizerCapabilities]):
+    """A read-only mapping of TE recipe class names to the capability profile
+    of their weight quantizer. Looking up a name that is no recipe raises
+    :class:`UnknownRecipeError` (a KeyError) naming the recipes that exist."""
+
+    def __init__(self, profiles: Mapping[str, QuantizerCapabilities]) -> None:
+        self._profiles = dict(profiles)
+
+    def __getitem__(self, recipe: str) -> QuantizerCapabilities:
+        try:
+            return self._profiles[recipe]
+        except (KeyError, TypeError):
+            close = [r for r in self._profiles if isinstance(recipe, str) and r.lower() == recipe.lower()]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UnknownRecipeError(
+                f"{recipe!r} is no TE recipe; RECIPE_PROFILES knows {', '.join(self._profiles)} "
+                f"(TE's recipe class names{hint}). For a capability profile by its own name "
+                "(e.g. 'float8_block_1d') use PROFILES"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._profiles)
+
+    def __len__(self) -> int:
+        return len(self._profiles)
+
+    def __repr__(self) -> str:
+        return f"RecipeProfiles({self._profiles!r})"
+
+
 #: The weight profile of each of TE's five built-in recipes.
-RECIPE_PROFILES: dict[str, QuantizerCapabilities] = {
+RECIPE_PROFILES: Mapping[str, QuantizerCapabilities] = RecipeProfiles({
     "DelayedScaling": FLOAT8_DELAYED_SCALING,
     "Float8CurrentScaling": FLOAT8_CURRENT_SCALING,
     "Float8BlockScaling": FLOAT8_BLOCK_2D,
     "MXFP8BlockScaling": MXFP8,
     "NVFP4BlockScaling": NVFP4_2D,
-}
+})
 
 #: Every profile defined here, by name.
 PROFILES: dict[str, QuantizerCapabilities] = {

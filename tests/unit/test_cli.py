@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from workspace_manager import RECIPE_PROFILES
 from workspace_manager.__main__ import main
+from workspace_manager._explain import POLICY_CHOICES
 
 RECIPES = {"float8_delayed_scaling", "float8_current_scaling", "float8_block_2d", "mxfp8", "nvfp4_2d"}
 
@@ -53,46 +55,74 @@ def test_full_adds_overrides_and_no_dgrad(capsys):
 def test_text_table_is_readable(capsys):
     main(["explain", "--policy", "fsdp2", "--quantizer", "DelayedScaling"])
     out = capsys.readouterr().out
-    assert out.startswith("== policy: fsdp2 ==")
+    assert out.startswith("== policy: fsdp2 ==\n  FSDP2WorkspacePolicy()\n  for:")
     table = out.split("legend:")[0].splitlines()
-    at = table.index("fsdp2_reshard train hp_weight")
-    assert table[at + 1].split() == ["mb:none", "bypass", "row", "requant:col", "requant", "-", "-", "all"]
+    at = table.index("fsdp2_any train hp_weight")
+    assert table[at + 1].split() == ["mb:any", "bypass", "row", "requant:col", "requant", "-", "-"]
     assert "derived_col" in out
 
 
+def _policy_blocks(out: str) -> dict[str, tuple[list[str], list[str], dict[str, str]]]:
+    """Per policy: (summary lines, table lines, legend term -> meaning)."""
+    blocks = {}
+    for block in out.rstrip("\n").split("\n\n== policy: "):
+        name, _, body = block.removeprefix("== policy: ").partition(" ==\n")
+        summary, table, legend = body.split("\n\n")
+        assert legend.startswith("legend:\n"), legend[:40]
+        terms = {}
+        for line in legend.splitlines()[1:]:
+            if not line.startswith("   "):
+                term, _, meaning = line.strip().partition("  ")
+                terms[term] = meaning.strip()
+        blocks[name] = (summary.splitlines(), table.splitlines(), terms)
+    return blocks
+
+
 def _table_and_legend(out: str) -> tuple[list[str], dict[str, str]]:
-    table, legend = out.split("\nlegend:\n")
-    terms = {}
-    for line in legend.splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            term, _, meaning = line.strip().partition("  ")
-            terms[term] = meaning.strip()
-    return table.splitlines(), terms
+    """The one policy's table lines and legend."""
+    (_, table, terms), = _policy_blocks(out).values()
+    return table, terms
 
 
-def test_legend_explains_every_word_of_the_table_once_per_line(capsys):
-    main(["explain", "--full"])
-    table, terms = _table_and_legend(capsys.readouterr().out)
-    assert all(terms.values())
+def _table_words(table: list[str]) -> set[str]:
     words = set()
-    for line in table:
-        if line.startswith("==") or set(line.strip()) <= {"-"} or not line.strip():
-            continue
+    for line in table[2:]:  # below the column header and its rule
+        line = line.replace("all but ", "all_but ")
         for word in line.replace(",", " ").split():
-            words.update([word] if word in terms else word.replace(":", " ").replace("+", " ").split())
-    words -= {"dgrad", "col"} - set(terms)  # the "dgrad col" header is one term
-    missing = {w for w in words if w not in terms and w not in {"dgrad", "col"}}
-    assert not missing, f"not in the legend: {sorted(missing)}"
-    for term in ("hp_weight", "qparam", "mb:first", "fsdp2_keep", "dgrad col", "saved_ws", "derived_col", "all"):
-        assert term in terms, term
+            words.update([word] if word != "all_but" else ["all but"])
+    return words
+
+
+@pytest.mark.parametrize("argv", [[], ["--full"], ["--why", "--width", "120"]])
+def test_legend_under_each_policy_explains_every_word_of_its_table(capsys, argv):
+    main(["explain", *argv])
+    blocks = _policy_blocks(capsys.readouterr().out)
+    assert list(blocks) == list(POLICY_CHOICES)
+    for policy, (_, table, terms) in blocks.items():
+        assert all(terms.values()), policy
+        # the reasons are prose: "why: ..." and its continuation lines
+        words = _table_words([l for l in table if not l.lstrip().startswith("why:") and not l.startswith(" " * 11)])
+        missing = {w for w in words if w not in terms
+                   and not all(p in terms for p in w.replace(":", " ").replace("+", " ").split())}
+        assert not missing, f"{policy}: not in the legend: {sorted(missing)}"
+        header = table[0].split()
+        assert header[:4] == ["cache", "forward", "backward", "dgrad"] and "dgrad col" in terms
+    full = blocks["plain"][2]
+    for term in ("hp_weight", "qparam", "mb:first", "saved_ws", "quantizers") if argv == ["--full"] else ():
+        assert term in full, term
 
 
 def test_recipe_names_stand_next_to_profile_names(capsys):
     main(["explain", "--policy", "fsdp2", "--recipe", "mxfp8blockscaling", "--quantizer", "float8_block_1d"])
     out = capsys.readouterr().out
     _, terms = _table_and_legend(out)
-    assert "capability profile is mxfp8" in terms["MXFP8BlockScaling"]
+    # named quantizers: the legend gives their capabilities, a recipe summary at a glance
+    assert terms["MXFP8BlockScaling"].startswith("TE recipe; weight capability profile mxfp8")
     assert "no TE recipe" in terms["float8_block_1d"]
+    assert " ".join(out.split()).count("requantization_safe") == 2
+    main(["explain", "--policy", "fsdp2"])
+    _, terms = _table_and_legend(capsys.readouterr().out)
+    assert terms["MXFP8BlockScaling"] == "TE recipe; weight capability profile mxfp8"
     main(["explain", "--json", "--recipe", "NVFP4BlockScaling"])
     rows = json.loads(capsys.readouterr().out)
     assert {(r["recipe"], r["quantizer"]) for r in rows} == {("NVFP4BlockScaling", "nvfp4_2d")}
@@ -105,9 +135,9 @@ def test_recipe_rejects_a_profile_name():
 
 
 def test_why_prints_the_notes_in_text_mode(capsys):
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling"])
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--width", "120"])
     plain = capsys.readouterr().out
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--why"])
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--why", "--width", "120"])
     why = capsys.readouterr().out
     assert "why:" not in plain
     assert "    why: FSDP2 reshards after forward: no cached copy per layer (TE#2681)" in why
@@ -122,39 +152,122 @@ def test_a_note_that_names_a_quantizer_names_only_those_it_applies_to(capsys):
         "NVFP4BlockScaling allows it)" in out
 
 
-def test_one_row_per_setting_when_quantizers_agree_else_groups_under_it(capsys):
-    main(["explain", "--policy", "fsdp2", "--width", "400"])
+def test_full_has_one_row_per_position_and_groups_under_it(capsys):
+    main(["explain", "--policy", "fsdp2", "--width", "400", "--full"])
     table, _ = _table_and_legend(capsys.readouterr().out)
     at = table.index("fsdp2_reshard train hp_weight")
     assert [l.split()[0] for l in table[at + 1:at + 4]] == ["mb:none", "mb:first", "mb:later"]
-    assert all(l.endswith("  all") for l in table[at + 1:at + 4])
+    assert all(len(l.split()) == 7 for l in table[at + 1:at + 4])  # every quantizer agrees: none named
     at = table.index("fsdp2_reshard train qparam")
     first, second = table[at + 1], table[at + 2]
     assert first.split()[0] == "mb:none" and first.endswith(
         "DelayedScaling, Float8CurrentScaling, Float8BlockScaling, NVFP4BlockScaling")
     assert second.startswith("   ") and second.split()[-1] == "MXFP8BlockScaling" and "gathered" in second
     assert table[at + 3].split()[0] == "mb:first"
+    assert not any("mb:any" in l or "_any" in l or "(any)" in l for l in table)
     # each setting's heading appears once per policy
-    headings = [l for l in table if l and not l.startswith((" ", "=")) and not set(l) <= {"-"}]
+    headings = [l for l in table[2:] if l and not l.startswith(" ")]
     assert len(headings) == len(set(headings))
 
 
-@pytest.mark.parametrize("width", [None, "100", "160"])
+def _expand(heading: str, key: str, unmerged: dict[str, list[str]]) -> set[tuple[str, str]]:
+    """The (heading, key) pairs of the unmerged table a merged row stands for."""
+    headings = {heading}
+    for merged, words in [("fsdp2_any", ("fsdp2_reshard", "fsdp2_keep")),
+                          ("recompute:first(any)", ("recompute:first", "recompute:first(own)")),
+                          ("recompute:recompute(any)", ("recompute:recompute", "recompute:recompute(own)"))]:
+        headings = {h.replace(merged, w) if merged in h.split() else h for h in headings for w in words}
+    return {(h, k) for h in headings for k in (unmerged[h] if key == "mb:any" else [key])}
+
+
+@pytest.mark.parametrize("why", [False, True])
+def test_merged_rows_stand_for_rows_that_print_the_same(why):
+    from workspace_manager._explain import _shown, decision_table, setting_blocks
+
+    rows = decision_table(list(RECIPE_PROFILES.values()))
+    merged, plain = setting_blocks(rows, why=why), setting_blocks(rows, merge=False, why=why)
+    merges = 0
+    for policy, blocks in plain.items():
+        shown = {(b.heading, k): _shown(g, why) for b in blocks for k, g in b.rows}
+        keys = {b.heading: [k for k, _ in b.rows] for b in blocks}
+        covered = []
+        for block in merged[policy]:
+            for key, groups in block.rows:
+                stands_for = _expand(block.heading, key, keys)
+                merges += len(stands_for) - 1
+                assert all(shown[s] == _shown(groups, why) for s in stands_for), (policy, block.heading, key)
+                covered += stands_for
+        assert sorted(covered) == sorted(shown), policy  # every row once, none invented
+    assert merges > 100
+
+
+def test_microbatch_positions_that_agree_are_one_row(capsys):
+    main(["explain", "--policy", "fsdp2"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    keys = [l.split()[0] for l in table[2:] if l.startswith("  mb:")]
+    assert keys and set(keys) == {"mb:any"} and "mb:any" in terms and "mb:none" not in terms
+    assert any(l.startswith("fsdp2_any ") for l in table) and "fsdp2_any" in terms
+    main(["explain", "--policy", "fsdp2_microbatch_cache", "--recipe", "Float8CurrentScaling"])
+    table, _ = _table_and_legend(capsys.readouterr().out)
+    at = table.index("fsdp2_keep train hp_weight")  # the cache: the positions differ
+    assert [l.split()[:2] for l in table[at + 1:at + 4]] == [["mb:none", "bypass"], ["mb:first", "fill"],
+                                                             ["mb:later", "reuse"]]
+
+
+def test_one_policy_fits_one_screen(capsys):
+    main(["explain", "--policy", "fsdp2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 60 and max(map(len, lines)) <= 80
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling"])
+    assert len(capsys.readouterr().out.splitlines()) <= 50
+
+
+def test_each_policy_opens_with_its_constructor_and_summary(capsys):
+    import workspace_manager
+    from workspace_manager import named_policy
+
+    main(["explain"])
+    blocks = _policy_blocks(capsys.readouterr().out)
+    for policy, (summary, _, _) in blocks.items():
+        at = next(i for i, l in enumerate(summary) if l.startswith("  for:"))
+        construct = " ".join(l.strip() for l in summary[:at])
+        assert eval(construct, vars(workspace_manager)) == named_policy(policy), policy
+        assert [l.split(":")[0].strip() for l in summary[at:] if not l.startswith("    ")] == [
+            "for", "keeps", "trade-off"]
+    assert "option, off by default (docs/decisions.md, D4)" in " ".join(blocks["fsdp2_microbatch_cache"][0])
+
+
+def test_the_longest_list_of_quantizers_names_the_others(capsys):
+    main(["explain", "--policy", "lean"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    assert "      all but DelayedScaling" in table and "all but" in terms
+    main(["explain", "--policy", "lean", "--width", "200"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    assert not any("all but" in l for l in table) and "all but" not in terms
+
+
+@pytest.mark.parametrize("width", [None, "80", "100", "160"])
 def test_text_fits_the_width(capsys, width):
     argv = ["explain", "--full", "--why", "--quantizer", "hybrid", "--quantizer", "nvfp4_1d", "--recipe",
             "DelayedScaling"] + (["--width", width] if width else [])
     main(argv)
     lines = capsys.readouterr().out.splitlines()
-    limit = int(width or 120)
+    limit = int(width or 80)
     assert max(len(l) for l in lines) <= limit
     if limit <= 120:  # the width is used for wrapping, not just respected
         assert max(len(l) for l in lines) > limit - 10
 
 
+def test_default_output_fits_80_columns(capsys):
+    main(["explain"])
+    assert max(len(l) for l in capsys.readouterr().out.splitlines()) <= 80
+
+
 def test_width_below_the_minimum_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["explain", "--width", "40"])
-    assert info.value.code == 2 and "at least 100 columns, received 40" in capsys.readouterr().err
+    assert info.value.code == 2 and "at least 80 columns, received 40" in capsys.readouterr().err
+    assert main(["explain", "--width", "80", "--policy", "plain"]) == 0
 
 
 def test_repeated_options_are_deduplicated(capsys):
@@ -182,10 +295,13 @@ def test_bad_choice_exits_with_usage_error():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
-def test_no_command_is_a_usage_error():
+def test_no_command_is_a_usage_error_naming_the_subcommands(capsys):
     with pytest.raises(SystemExit) as info:
         main([])
+    err = capsys.readouterr().err
     assert info.value.code == 2
+    assert "choose a subcommand: explain" in err and "the following arguments are required" not in err
+    assert err.startswith("usage: python -m workspace_manager [-h] COMMAND ...")
 
 
 def _rows(capsys, *policies: str) -> list[dict]:

@@ -146,3 +146,23 @@ def test_inconsistent_plans_are_rejected(kwargs, problem):
     WorkspacePlan(**good)
     with pytest.raises(InvalidPlanError, match=problem):
         WorkspacePlan(**{**good, **kwargs})
+
+
+def test_an_unknown_recipe_names_the_recipes_that_exist():
+    from collections.abc import Mapping
+
+    from workspace_manager import PROFILES, RECIPE_PROFILES, UnknownRecipeError
+
+    with pytest.raises(UnknownRecipeError) as info:
+        RECIPE_PROFILES["fp8"]
+    assert isinstance(info.value, KeyError)
+    message = str(info.value)
+    assert message.startswith("'fp8' is no TE recipe; RECIPE_PROFILES knows DelayedScaling, Float8CurrentScaling, "
+                              "Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling")
+    assert "PROFILES" in message
+    with pytest.raises(UnknownRecipeError, match="did you mean 'MXFP8BlockScaling'"):
+        RECIPE_PROFILES["mxfp8blockscaling"]
+    # still a read-only Mapping: `in`, .get, iteration behave as for a dict
+    assert isinstance(RECIPE_PROFILES, Mapping) and not hasattr(RECIPE_PROFILES, "__setitem__")
+    assert "fp8" not in RECIPE_PROFILES and RECIPE_PROFILES.get("fp8") is None
+    assert RECIPE_PROFILES["MXFP8BlockScaling"] is PROFILES["mxfp8"] and len(RECIPE_PROFILES) == 5

@@ -225,3 +225,15 @@ def test_a_broken_policy_invariant_fails_the_report_but_is_not_blamed_on_the_qua
     assert "FAIL  policy checks (independent of your quantizer)" in text
     with pytest.raises(QuantizerCheckError):
         report.raise_for_failures()
+
+
+def test_an_unregistered_quantizer_is_told_how_to_pass_its_capabilities():
+    from workspace_manager import UnknownQuantizerError
+
+    with pytest.raises(UnknownQuantizerError) as info:
+        check_quantizer(Float8PerTensorQuantizer)
+    message = str(info.value)
+    assert "No workspace capabilities are registered for quantizer class" in message
+    assert message.endswith("Or pass them to the kit: check_quantizer(Float8PerTensorQuantizer, capabilities=...) "
+                            "(the reference quantizer's are workspace_manager.testing.reference."
+                            "REFERENCE_CAPABILITIES).")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .._context import QuantizerCapabilities, WorkspaceContext
-from .._errors import InvalidCapabilitiesError, KitArgumentError
+from .._errors import InvalidCapabilitiesError, KitArgumentError, UnknownQuantizerError
 from .._explain import DecisionRow
 from .._plan import WorkspacePlan
 from .._policy import WorkspacePolicy
@@ -37,6 +37,7 @@ from ._claims import claim_checks, protocol_check, sample_weights
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, QuantizerReport, describe_exception
 from ._walks import lifecycle_checks
+from .reference import Float8PerTensorQuantizer
 from .invariants import CONTEXT_INVARIANTS, PLAN_INVARIANTS, all_contexts, covering
 
 __all__ = ["check_quantizer", "policy_checks", "policy_summary", "POLICY_CHECKS", "DEFAULT_SHAPES"]
@@ -47,6 +48,20 @@ POLICY_CHECKS = "policy checks (independent of your quantizer)"
 #: Weight shapes divisible by 16, 32 and 128, so block formats (MXFP8's 1x32,
 #: NVFP4's 16x16, FP8's 128x128 blocks) can quantize them.
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 128))
+
+
+def _registered(registry: QuantizerRegistry, quantizer: Any) -> QuantizerCapabilities:
+    """The registered capabilities of ``quantizer``; an unregistered one
+    raises UnknownQuantizerError that also says how to pass them to the kit."""
+    try:
+        return registry.lookup(quantizer)
+    except UnknownQuantizerError as err:
+        cls = type(quantizer).__name__
+        hint = (" (the reference quantizer's are workspace_manager.testing.reference.REFERENCE_CAPABILITIES)"
+                if isinstance(quantizer, Float8PerTensorQuantizer) else "")
+        raise UnknownQuantizerError(
+            f"{err} Or pass them to the kit: check_quantizer({cls}, capabilities=...){hint}."
+        ) from None
 
 
 def check_quantizer(
@@ -74,7 +89,7 @@ def check_quantizer(
     protocol, quantizer = protocol_check(factory)
     if capabilities is None and quantizer is None:
         raise KitArgumentError(f"cannot look up capabilities: {protocol.reason}; pass capabilities=... explicitly")
-    caps = capabilities if capabilities is not None else (registry or default_registry).lookup(quantizer)
+    caps = capabilities if capabilities is not None else _registered(registry or default_registry, quantizer)
     name = qualified_name(type(quantizer)) if quantizer is not None else repr(factory)
     results = [protocol]
     if protocol.failed:
