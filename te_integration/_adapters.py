@@ -70,11 +70,11 @@ _LNL_GATE = tuple(_LNL_ARGS.get(name, -1) for name in ("fp8", "debug", "fsdp_gro
 
 def _begin_layernorm_linear(ctx, args: tuple):
     record = ACTIVE.record
-    nta, (fp8, debug, group, skip, offload, switch) = args[7], _LNL_GATE
+    nta, (fp8, debug, group, skip, offload, switch) = args[6], _LNL_GATE
     if (record is None or record.kind is not _LNL or not nta[fp8] or nta[debug] or nta[group] is not None
             or nta[skip] is not None or nta[offload] or te.graph_flags._IS_GRAPH_CAPTURING):
         return None
-    weight, a = args[4], _LNL_ARGS
+    weight, a = args[3], _LNL_ARGS
     distributed = getattr(weight, "is_distributed_weight", False) and is_distributed(weight)
     recipe = te.FP8GlobalStateManager.get_fp8_recipe()
     levers = record.state.levers(
@@ -87,7 +87,7 @@ def _begin_layernorm_linear(ctx, args: tuple):
     )
     record.weights = (GATHERED_WEIGHT if distributed else weight, levers)
     nta = nta[:switch] + (levers.saves_no_workspace,) + nta[switch + 1:]  # TE's switch: save no workspace
-    return record, args[:7] + (nta,)
+    return record, args[:6] + (nta,)
 
 
 def _edit_layernorm_linear_ctx(ctx, record, args: tuple) -> None:
@@ -95,7 +95,7 @@ def _edit_layernorm_linear_ctx(ctx, record, args: tuple) -> None:
     ctx.is_fsdp2 = levers.clears_in_backward
     if levers.dgrad_reads_high_precision or levers.rebuild_usage is not None:
         ctx.weight_quantizer = record.state.backward_quantizer(levers, ctx.weight_quantizer)
-    ctx._te_wm_backward = backward_work(record.module, (args[4], levers)) if levers.releases else None
+    ctx._te_wm_backward = backward_work(record.module, (args[3], levers)) if levers.releases else None
 
 
 LINEAR = ModuleAdapter(

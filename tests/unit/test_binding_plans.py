@@ -47,6 +47,10 @@ MLP = {"is_first_microbatch": 0, "fp8": 1, "fc1_weight_quantizer": 2, "fc2_weigh
        "checkpoint": 8, "debug": 9, "is_fsdp2": 10, "recompute_for_bwd": 11}
 
 
+#: Positions in the stand-in LayerNormLinear argument tuple.
+LNL = {"is_first_microbatch": 0, "fp8": 1, "weight_quantizer": 2, "cpu_offloading": 3, "is_grad_enabled": 4,
+       "fsdp_group": 5, "skip_fp8_weight_update": 6, "debug": 7, "is_fsdp2": 8}
+
 #: Positions of the two workspaces in what the stand-in's recompute pass returns.
 RECOMPUTED = {"fc1_weight": 4, "fc2_weight": 10}
 
@@ -65,6 +69,24 @@ class _LinearFunction:
         _LinearFunction.seen.append(fwd_args.is_fsdp2)
         if ctx is not None:
             ctx.backward_objects = SimpleNamespace(is_fsdp2=None, weight_quantizer="te's")
+        return inp
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+class _LNLFunction:
+    """Stands for TE's ``_LayerNormLinear``, with its exact positional
+    signature: records the weight and the argument tuple it got."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, weight, weight_workspace, bias, non_tensor_args):
+        _LNLFunction.seen.append((weight, non_tensor_args))
+        if ctx is not None:
+            ctx.is_fsdp2, ctx.weight_quantizer = None, "te's"
         return inp
 
     @staticmethod
@@ -124,10 +146,10 @@ def binding(monkeypatch):
         "TELayerNormLinear": type("_TELayerNormLinear", (), {}),
         "TELayerNormMLP": type("_TELayerNormMLP", (), {}),
         "LinearFunction": _LinearFunction,
-        "LNLFunction": type("_LNLFunction", (), {"forward": staticmethod(lambda *a: None),
-                                                 "backward": staticmethod(lambda *a: None)}),
+        "LNLFunction": _LNLFunction,
+        "FP8GlobalStateManager": SimpleNamespace(get_fp8_recipe=lambda: None),
         "LNMLPFunction": _MLPFunction,
-        "LNL_ARGS": {},
+        "LNL_ARGS": LNL,
         "LNMLP_ARGS": MLP,
         "LNMLP_RECOMPUTED": RECOMPUTED,
         "is_fp8_activation_recompute_enabled": lambda: phase["enabled"],
@@ -142,11 +164,13 @@ def binding(monkeypatch):
                            "_adapter_mlp", "_functions", "_install")
     _LinearFunction.seen.clear()
     _MLPFunction.seen.clear()
+    _LNLFunction.seen.clear()
     kinds, seams = modules["_state"].ModuleKind, modules["_install"].SEAM_FUNCTIONS
     return SimpleNamespace(phase=phase, state=modules["_state"], call=modules["_call"], te=modules["_call"].te,
                            quantize=modules["_quantize"], release=modules["_release"], mlp=modules["_adapter_mlp"],
                            functions=modules["_functions"],
-                           linear_seam=seams[kinds.LINEAR], mlp_seam=seams[kinds.LAYERNORM_MLP])
+                           linear_seam=seams[kinds.LINEAR], lnl_seam=seams[kinds.LAYERNORM_LINEAR],
+                           mlp_seam=seams[kinds.LAYERNORM_MLP])
 
 
 def _module(binding, kind: str, sharding: Sharding, policy=None):
@@ -156,7 +180,7 @@ def _module(binding, kind: str, sharding: Sharding, policy=None):
 
     probe = SimpleNamespace(read=lambda: sharding, current=lambda: sharding, stale=lambda: False)
     kinds = binding.state.ModuleKind
-    kind = {"linear": kinds.LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
+    kind = {"linear": kinds.LINEAR, "lnl": kinds.LAYERNORM_LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
     state = binding.state.ModuleWorkspaceState(kind, policy, probe=probe)
     return SimpleNamespace(_wm_kind=kind, _wm_state=state, _fp8_workspaces={})
 
@@ -494,3 +518,26 @@ def test_instance_dependent_capabilities_are_read_once_per_quantizer_object(bind
     assert _levers(state, module, two_d).context.capabilities.name == plans[2]
     assert _levers(state, module, one_d).context.capabilities.name == plans[1]
     assert asked == [] and state.shapes_planned() == 2
+
+
+@pytest.mark.parametrize("sharding, saves_none", [(Sharding.FSDP2_RESHARD, True), (Sharding.NONE, False)],
+                         ids=["fsdp2", "unsharded"])
+def test_layernorm_linear_hands_te_its_arguments_with_the_switch_set(binding, sharding, saves_none):
+    """The LayerNormLinear adapter reads the weight and TE's argument tuple at
+    their places in ``_LayerNormLinear.forward`` (the stand-in has TE's
+    exact signature), sets TE's switch from the plan and backward's levers."""
+    module = _module(binding, "lnl", sharding)
+    values = {"is_first_microbatch": None, "fp8": True, "weight_quantizer": CURRENT(), "cpu_offloading": False,
+              "is_grad_enabled": True, "fsdp_group": None, "skip_fp8_weight_update": None, "debug": False,
+              "is_fsdp2": "te's own"}
+    nta = tuple(values[name] for name in sorted(LNL, key=LNL.get))
+    weight, ctx = object(), SimpleNamespace()
+    with _in_call(binding, module):
+        binding.lnl_seam.forward(ctx, "x", "ln weight", "ln bias", weight, None, None, nta)
+    (seen_weight, seen_nta), = _LNLFunction.seen
+    assert seen_weight is weight and len(seen_nta) == len(nta)
+    assert seen_nta[LNL["is_fsdp2"]] is saves_none  # TE saves no workspace under FSDP2
+    assert seen_nta[:LNL["is_fsdp2"]] == nta[:LNL["is_fsdp2"]]  # nothing else changed
+    (context, plan), = module._wm_state.last_plans().values()
+    assert context.sharding is sharding
+    assert ctx.is_fsdp2 is saves_none and ctx._te_wm_backward is None  # TE's clear of the rebuilt copy
