@@ -60,20 +60,29 @@ def _begin(ctx, args: tuple):
         return None
     if record is None:  # pushed only once planned, so a refused plan leaves the stack as it was
         record = new_record(module, module._wm_state, None, ACTIVE.record, pushed_by_seam=True)
-    weights = _plan(record, nta, args[3], args[6])
-    record.weights = weights
+    grad, recompute, scope = _passes(nta)
+    state, first, fc1_weight, fc2_weight = record.state, nta[_ARGS["is_first_microbatch"]], args[3], args[6]
+    fc1 = state.levers(module, record.sharding, key="fc1_weight", weight=fc1_weight,
+                       quantizer=nta[_ARGS["fc1_weight_quantizer"]], grad=grad, input_requires_grad=True,
+                       is_first_microbatch=first, backward_override=None, recompute=recompute, scope=scope)
+    fc2 = state.levers(module, record.sharding, key="fc2_weight", weight=fc2_weight,
+                       quantizer=nta[_ARGS["fc2_weight_quantizer"]], grad=grad, input_requires_grad=True,
+                       is_first_microbatch=first, backward_override=None, recompute=recompute, scope=scope)
+    weights = record.weights = (fc1_weight, fc1, fc2_weight, fc2)
     fc1_saves_none, fc2_saves_none = weights[1].saves_no_workspace, weights[3].saves_no_workspace
     if fc1_saves_none is not fc2_saves_none:
         record.dropped = []
     if record.pushed_by_seam:
         ACTIVE.record = record
+    if record.dropped is not None or (record.pushed_by_seam and (fc1_saves_none or fc2_saves_none)):
+        record.run = _run  # a split call, or an own recompute handing backward a rebuild
     switch = _ARGS["is_fsdp2"]
     nta = nta[:switch] + (fc1_saves_none and fc2_saves_none,) + nta[switch + 1:]
     return record, args[:9] + (nta,)
 
 
-def _plan(record, nta: tuple, fc1_weight, fc2_weight) -> tuple:
-    """(fc1 weight, its levers, fc2 weight, its levers) for this call."""
+def _passes(nta: tuple) -> tuple:
+    """(grad, recompute pass, recompute scope) the call's weights are planned with."""
     grad, own_checkpoint = bool(nta[_ARGS["is_grad_enabled"]]), bool(nta[_ARGS["checkpoint"]])
     recompute = recompute_pass() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else RecomputePass.NONE
     scope = _REGION
@@ -83,14 +92,7 @@ def _plan(record, nta: tuple, fc1_weight, fc2_weight) -> tuple:
         # recompute pass hands what it builds straight to backward.
         recompute = RecomputePass.RECOMPUTE if nta[_ARGS["recompute_for_bwd"]] else RecomputePass.FIRST
         grad, scope = recompute is RecomputePass.RECOMPUTE, _MODULE
-    module, state, first = record.module, record.state, nta[_ARGS["is_first_microbatch"]]
-    fc1 = state.levers(module, record.sharding, key="fc1_weight", weight=fc1_weight,
-                       quantizer=nta[_ARGS["fc1_weight_quantizer"]], grad=grad, input_requires_grad=True,
-                       is_first_microbatch=first, backward_override=None, recompute=recompute, scope=scope)
-    fc2 = state.levers(module, record.sharding, key="fc2_weight", weight=fc2_weight,
-                       quantizer=nta[_ARGS["fc2_weight_quantizer"]], grad=grad, input_requires_grad=True,
-                       is_first_microbatch=first, backward_override=None, recompute=recompute, scope=scope)
-    return (fc1_weight, fc1, fc2_weight, fc2)
+    return grad, recompute, scope
 
 
 def _run(record, te_method, ctx, args: tuple):
@@ -154,7 +156,8 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
     # TE's ctx block ran: its clear flag is shared by FC1 and FC2, so it is
     # set only when both plans want it; the release covers the rest.
     ctx.is_fsdp2 = weights[1].clears_in_backward and weights[3].clears_in_backward
-    ctx._te_wm_backward = backward_work(record.module, weights)
+    ctx._te_wm_backward = backward_work(record.module, weights) if weights[1].releases or weights[3].releases \
+        else None
     state = record.state
     for levers, name in ((weights[1], "fc1_weight_quantizer"), (weights[3], "fc2_weight_quantizer")):
         if levers.dgrad_reads_high_precision or levers.rebuild_usage is not None:
@@ -164,6 +167,6 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
 LAYERNORM_MLP = ModuleAdapter(
     kind=_LNMLP, te_class=te.TELayerNormMLP, function=te.LNMLPFunction, function_name="_LayerNormMLP",
     method="_forward", file=te.lnmlp_module,
-    weight_keys=("fc1_weight", "fc2_weight"), begin=_begin, edit_ctx=_edit_ctx, run=_run,
+    weight_keys=("fc1_weight", "fc2_weight"), begin=_begin, edit_ctx=_edit_ctx,
     construction=((te.transformer_module, "LayerNormMLP"),),
 )

@@ -37,7 +37,7 @@ class CallRecord:
     place (a Python ``__init__`` would be one call more per module call)."""
 
     __slots__ = ("module", "state", "kind", "sharding", "previous", "weights", "pending", "rowwise_parts",
-                 "dropped", "pushed_by_seam")
+                 "dropped", "pushed_by_seam", "run")
 
     #: The drop-in module, its :class:`~te_integration._state.ModuleWorkspaceState` and :class:`ModuleKind`.
     module: Any
@@ -61,6 +61,9 @@ class CallRecord:
     #: Pushed by a Function seam rather than by ``prepare_forward`` (the
     #: module's own recompute in backward), and so popped by it.
     pushed_by_seam: bool
+    #: ``run(record, te_method, ctx, args)`` where running TE's method is more
+    #: than calling it for this call (set by the adapter's ``begin``); or None.
+    run: Any
 
 
 def new_record(module: Any, state: Any, sharding: Sharding, previous: CallRecord | None,
@@ -69,7 +72,7 @@ def new_record(module: Any, state: Any, sharding: Sharding, previous: CallRecord
     record = CallRecord()
     record.module, record.state, record.kind, record.sharding = module, state, state.kind, sharding
     record.previous, record.weights, record.pending = previous, (), None
-    record.rowwise_parts = record.dropped = None
+    record.rowwise_parts = record.dropped = record.run = None
     record.pushed_by_seam = pushed_by_seam
     return record
 

@@ -65,10 +65,9 @@ class ModuleAdapter:
     begin: Begin
     #: ``edit_ctx(ctx, record, args)``: set the levers TE's backward reads on
     #: ``ctx`` and the call's :class:`~te_integration._release.BackwardWork`.
+    #: Where running TE's method is more than calling it for a call (one of
+    #: LayerNormMLP's), ``begin`` sets ``record.run``.
     edit_ctx: Callable[[Any, CallRecord, tuple], None]
-    #: ``run(record, te_method, ctx, args)``, where running TE's method is
-    #: more than calling it (LayerNormMLP); None: call it.
-    run: Callable[..., Any] | None = None
     #: ``(TE module, name)`` that ``managed_construction`` rebinds to the drop-in.
     construction: tuple[tuple[types.ModuleType, str], ...] = ()
 
@@ -80,7 +79,7 @@ def seam_function(adapter: ModuleAdapter) -> type:
     # subscript of the live dict of the class that defines each, no Python call.
     method = adapter.method
     methods, backwards = _defining_dict(adapter.function, method), _defining_dict(adapter.function, "backward")
-    begin, edit_ctx, run = adapter.begin, adapter.edit_ctx, adapter.run
+    begin, edit_ctx = adapter.begin, adapter.edit_ctx
 
     def managed(ctx, *args):
         te_method = methods[method]
@@ -94,6 +93,7 @@ def seam_function(adapter: ModuleAdapter) -> type:
             return out
         record, args = started
         try:
+            run = record.run
             out = te_method(ctx, *args) if run is None else run(record, te_method, ctx, args)
             # TE's forward returned: the cache entries it filled become the
             # module's, and what ctx saves loses the rowwise data backward

@@ -93,7 +93,7 @@ class _ManagedModule:
         record = CallRecord()
         record.module, record.state, record.kind, record.sharding, record.previous = self, state, state.kind, \
             sharding, below
-        record.weights, record.pending, record.rowwise_parts, record.dropped = (), None, None, None
+        record.weights, record.pending, record.rowwise_parts, record.dropped, record.run = (), None, None, None, None
         record.pushed_by_seam = False
         self.__dict__["is_fsdp2"] = probe.is_fsdp2
         ACTIVE.record = record

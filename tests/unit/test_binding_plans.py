@@ -204,6 +204,20 @@ def _in_call(binding, module):
         active.record = record.previous
 
 
+def _plan_mlp(binding, module, nta: tuple, fc1_weight, fc2_weight) -> tuple:
+    """The LayerNormMLP adapter's plan of one call: (fc1 weight, its levers,
+    fc2 weight, its levers), from inside its call window, or as its own
+    recompute pass in backward (from the module its first pass left on ctx)."""
+    own_recompute = nta[MLP["recompute_for_bwd"]]
+    ctx = SimpleNamespace(_te_wm_backward=binding.release.BackwardWork(module))
+    args = ("x", None, None, fc1_weight, None, None, fc2_weight, None, None, nta)
+    with contextlib.nullcontext() if own_recompute else _in_call(binding, module):
+        record, _ = binding.mlp._begin(ctx, args)
+    if record.pushed_by_seam:
+        binding.call.ACTIVE.record = record.previous
+    return record.weights
+
+
 def _in_te_checkpoint(binding, recompute: bool) -> None:
     binding.phase.update(enabled=True, recompute=recompute)
 
@@ -276,7 +290,7 @@ def test_layernorm_mlp_plans_tell_its_own_recompute_from_a_region(binding, check
         _in_te_checkpoint(binding, recompute=True)
     module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD)
     nta = _mlp_nta(DELAYED, checkpoint=checkpoint, recompute_for_bwd=recompute_for_bwd)
-    weights = binding.mlp._plan(_record(binding, module), nta, object(), object())
+    weights = _plan_mlp(binding, module, nta, object(), object())
     slots = weights[1::2]
     plans = module._wm_state.last_plans()
     assert set(plans) == {"fc1_weight", "fc2_weight"}
@@ -299,7 +313,7 @@ def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exa
     module = _module(binding, "lnmlp", Sharding.NONE)
     nta = list(_mlp_nta(quantizer, checkpoint=True, recompute_for_bwd=True))
     nta[MLP["is_first_microbatch"]] = False
-    binding.mlp._plan(_record(binding, module), tuple(nta), object(), object())
+    _plan_mlp(binding, module, tuple(nta), object(), object())
     for _, plan in module._wm_state.last_plans().values():
         assert plan.cache.value == expected
 
@@ -423,7 +437,7 @@ def test_layernorm_mlp_of_two_formats_rebuilds_both_in_a_te_checkpoint_pass_by_d
     nta = list(_mlp_nta(CURRENT, checkpoint=False, recompute_for_bwd=False))
     nta[MLP["fc1_weight_quantizer"]] = DELAYED()
     _in_te_checkpoint(binding, recompute=True)
-    binding.mlp._plan(_record(binding, module), tuple(nta), object(), object())
+    _plan_mlp(binding, module, tuple(nta), object(), object())
     sources = {plan.backward_source for _, plan in module._wm_state.last_plans().values()}
     assert sources == {BackwardSource.REQUANTIZE}
 
