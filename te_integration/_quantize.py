@@ -38,8 +38,16 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         elif weights:
             levers = _levers_of(weights, tensor)
     if levers is None or levers.is_quantized_param:
-        return _stock_quantize(levers, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
-                               workspace_dtype, cache)
+        # Quantized parameters are never cached (TE only adds the usages their
+        # own quantizer holds), and everything unplanned is stock TE; spelled
+        # here, as stock modules and quantized parameters pass on every call.
+        out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
+                                      update_workspace=update_workspace, skip_update_flag=skip_update_flag,
+                                      fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
+        if _LEDGER.enabled and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
+            _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
+                                           weight=tensor)
+        return out, new
     if levers.cache is not CacheAction.BYPASS:
         out, hit = _cached_quantize(record, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
     else:  # the common case, spelled here: one Python call fewer per module call
@@ -72,20 +80,6 @@ def _levers_of(weights: tuple, tensor: Any) -> Levers | None:
         if weights[i] is tensor:
             return weights[i + 1]
     return None
-
-
-def _stock_quantize(levers, tensor, quantizer, workspace, update_workspace, skip_update_flag, fsdp_group,
-                    workspace_dtype, cache):
-    """TE's own ``quantize_weight``: quantized parameters are never cached
-    (TE only adds the usages their own quantizer holds), and everything
-    unplanned is stock TE (observed while recording)."""
-    out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
-                                  update_workspace=update_workspace, skip_update_flag=skip_update_flag,
-                                  fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
-    if _LEDGER.enabled and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
-        _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
-                                       weight=tensor)
-    return out, new
 
 
 def _cached_quantize(record: CallRecord, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
