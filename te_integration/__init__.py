@@ -1,6 +1,6 @@
 """Drop-in TransformerEngine modules whose weight workspaces follow a policy.
 
-``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` are TE 2.20's classes
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear`` are TE 2.20's classes
 with every workspace decision (cache, forward usage, what backward gets,
 what is released) taken from ``workspace_manager``'s policies. Importing
 this package needs TransformerEngine 2.20.x; it raises ImportError naming
@@ -12,6 +12,7 @@ from ._compat import VERSION as TE_VERSION
 from ._compat import UnsupportedTEError
 from . import _register  # noqa: F401  (checks TE's quantizer classes)
 from ._modules import (
+    GroupedLinear,
     LayerNormLinear,
     LayerNormMLP,
     Linear,
@@ -35,6 +36,7 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "GroupedLinear",
     "convert_model",
     "managed_construction",
     "set_workspace_policy",

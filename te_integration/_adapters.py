@@ -9,7 +9,9 @@ levers. Both run on every call, so they spell their reads inline.
 
 ``Linear`` and ``LayerNormLinear`` are here; ``LayerNormMLP``, whose two
 weights can be planned to save differently and whose own checkpoint
-recomputes inside backward, is in ``_adapter_mlp``.
+recomputes inside backward, is in ``_adapter_mlp``; ``GroupedLinear``,
+whose experts share one plan and whose backward has no rebuild of its own,
+in ``_adapter_grouped``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from workspace_manager import RecomputePass, RecomputeScope, Sharding
 
 from . import _compat as te
+from ._adapter_grouped import GROUPED_LINEAR
 from ._adapter_mlp import LAYERNORM_MLP
 from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
 from ._functions import ModuleAdapter
@@ -110,7 +113,7 @@ LAYERNORM_LINEAR = ModuleAdapter(
 )
 
 #: Every module kind, in the order the drop-ins are listed.
-ADAPTERS: tuple[ModuleAdapter, ...] = (LINEAR, LAYERNORM_LINEAR, LAYERNORM_MLP)
+ADAPTERS: tuple[ModuleAdapter, ...] = (LINEAR, LAYERNORM_LINEAR, LAYERNORM_MLP, GROUPED_LINEAR)
 _BY_KIND = {adapter.kind: adapter for adapter in ADAPTERS}
 
 

@@ -37,7 +37,7 @@ class CallRecord:
     place (a Python ``__init__`` would be one call more per module call)."""
 
     __slots__ = ("module", "state", "kind", "sharding", "previous", "weights", "pending", "rowwise_parts",
-                 "dropped", "pushed_by_seam", "run")
+                 "dropped", "pushed_by_seam", "run", "experts", "expert_index", "saves_weights")
 
     #: The drop-in module, its :class:`~te_integration._state.ModuleWorkspaceState` and :class:`ModuleKind`.
     module: Any
@@ -64,6 +64,15 @@ class CallRecord:
     #: ``run(record, te_method, ctx, args)`` where running TE's method is more
     #: than calling it for this call (set by the adapter's ``begin``); or None.
     run: Any
+    #: GroupedLinear: the call's expert weights (one grouped weight, or one
+    #: per expert), planned together under one key; None for other kinds.
+    experts: tuple | None
+    #: GroupedLinear: the expert ``quantize_weight`` is expected to see next
+    #: (TE quantizes them in order), for per-expert cache keys.
+    expert_index: int
+    #: GroupedLinear: TE's saving helper gets the experts' high-precision
+    #: weights in the slots of their workspaces (the plan saves no workspace).
+    saves_weights: bool
 
 
 def new_record(module: Any, state: Any, sharding: Sharding, previous: CallRecord | None,
@@ -72,8 +81,9 @@ def new_record(module: Any, state: Any, sharding: Sharding, previous: CallRecord
     record = CallRecord()
     record.module, record.state, record.kind, record.sharding = module, state, state.kind, sharding
     record.previous, record.weights, record.pending = previous, (), None
-    record.rowwise_parts = record.dropped = record.run = None
+    record.rowwise_parts = record.dropped = record.run = record.experts = None
     record.pushed_by_seam = pushed_by_seam
+    record.expert_index, record.saves_weights = 0, False
     return record
 
 

@@ -76,9 +76,10 @@ class Seam:
 
 
 _PT = "transformer_engine.pytorch"
-_PACKAGES = frozenset({_PT})
+_PACKAGES = frozenset({_PT, f"{_PT}.module"})
 _LIN, _LNL, _MLP, _BASE = (f"{_PT}.module.linear", f"{_PT}.module.layernorm_linear", f"{_PT}.module.layernorm_mlp",
                            f"{_PT}.module.base")
+_GL = f"{_PT}.module.grouped_linear"
 
 #: Every piece of TE the binding relies on. The seamed names (what
 #: ``_install.install`` replaces) are ``quantize_weight``, ``_Linear``,
@@ -109,10 +110,23 @@ SEAMS: tuple[Seam, ...] = (
     # LayerNormMLP's saving helper: swapped for the call alone when FC1 and FC2 save differently.
     Seam(_MLP, "prepare_for_saving"),
     Seam(_BASE, "_is_weight_workspace_valid", "is_weight_workspace_valid"),
+    # GroupedLinear: the module, its Function, and the module globals its
+    # seams replace (quantize_weight, and the saving pair around backward).
+    Seam(_GL, export="grouped_module"), Seam(_PT, "GroupedLinear", "TEGroupedLinear"),
+    Seam(f"{_PT}.module", "GroupedLinear"), Seam(_GL, "GroupedLinear.forward"),
+    Seam(_GL, "_GroupedLinear", "GroupedFunction"), Seam(_GL, "_GroupedLinear.forward"),
+    Seam(_GL, "_GroupedLinear.backward"), Seam(_GL, "_GroupedLinear._forward_grouped_tensor"),
+    Seam(_GL, "_GroupedLinear._backward_grouped_tensor"),
+    Seam(_GL, "_GroupedLinear._prepare_weights_for_grouped_tensor_gemm"),
+    Seam(_GL, "quantize_weight"), Seam(_GL, "prepare_for_saving", "prepare_for_saving"),
+    Seam(_GL, "restore_from_func_ctx", "restore_from_func_ctx"),
+    Seam(_GL, "GroupedTensorStorage", "GroupedTensorStorage"), Seam(_GL, "tex", "tex"),
     # Names managed_construction rebinds while TE builds its composite modules.
     Seam(f"{_PT}.attention.multi_head_attention", "Linear"),
     Seam(f"{_PT}.attention.multi_head_attention", "LayerNormLinear"),
     Seam(f"{_PT}.transformer", "LayerNormMLP"),
+    # GroupedLinear has no composite builder in TE: users name it from the package.
+    Seam(f"{_PT}.module", export="te_module_package"),
     # Helpers the seams ask.
     Seam(f"{_PT}.distributed", "is_fp8_activation_recompute_enabled", "is_fp8_activation_recompute_enabled"),
     Seam(f"{_PT}.distributed", "in_fp8_activation_recompute_phase", "in_fp8_activation_recompute_phase"),
@@ -192,6 +206,14 @@ LinearFwdArgs = _found["LinearFwdArgs"]
 LinearBwdArgs = _found["LinearBwdArgs"]
 LNLFunction = _found["LNLFunction"]
 LNMLPFunction = _found["LNMLPFunction"]
+grouped_module: ModuleType = _found["grouped_module"]
+te_module_package: ModuleType = _found["te_module_package"]
+TEGroupedLinear = _found["TEGroupedLinear"]
+GroupedFunction = _found["GroupedFunction"]
+prepare_for_saving = _found["prepare_for_saving"]
+restore_from_func_ctx = _found["restore_from_func_ctx"]
+GroupedTensorStorage = _found["GroupedTensorStorage"]
+tex = _found["tex"]
 quantize_weight = _found["quantize_weight"]
 is_weight_workspace_valid = _found["is_weight_workspace_valid"]
 is_fp8_activation_recompute_enabled = _found["is_fp8_activation_recompute_enabled"]
@@ -216,6 +238,10 @@ LNMLP_ARGS = {"is_first_microbatch": 1, "fp8": 2, "fc1_weight_quantizer": 7, "fc
 #: of the workspaces its own checkpoint's recompute pass built (checked
 #: against the names backward unpacks it into).
 LNMLP_RECOMPUTED = {"fc1_weight": 4, "fc2_weight": 10}
+#: Positions in ``_GroupedLinear.forward``'s ``non_tensor_args``.
+GROUPED_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizers": 6, "cpu_offloading": 12,
+                "is_grad_enabled": 15, "weight_workspaces": 16, "cache_weight": 17, "skip_fp8_weight_update": 18,
+                "debug": 20, "single_grouped_weight": 21}
 #: Fields of TE's argument dataclasses the ``_Linear`` seam reads or sets.
 LINEAR_FWD_FIELDS = ("is_fsdp2", "weight_quantizer", "is_first_microbatch", "is_grad_enabled", "input_requires_grad",
                      "backward_override", "fp8", "debug", "fsdp_group", "skip_fp8_weight_update", "cpu_offloading")
@@ -237,6 +263,21 @@ _SENTINELS = {
     linear_module._linear_backward_impl: ["weight_fp8 = bwd_args.weight_quantizer(saved_weight)"],
     is_fp8_activation_recompute_enabled: ["return _IN_ACTIVATION_RECOMPUTE_REGION and"],
     is_graph_capturing: ["return _IS_GRAPH_CAPTURING"],
+    # GroupedLinear: what each path saves and restores, by position (the
+    # saving seam swaps the weights' slots), and the module's cache.
+    GroupedFunction.forward: ["*inputmats,\n                *weights_fp8,\n                *saved_weights,\n                *biases,",
+                              "weights_fp8 = [None] * num_gemms", "quantize_weight(",
+                              "return _GroupedLinear._forward_grouped_tensor("],
+    GroupedFunction._forward_grouped_tensor: [
+        "input_to_save,\n                *weights_to_save,\n                split_sizes,",
+        "_GroupedLinear._prepare_weights_for_grouped_tensor_gemm(", "weights_to_save = [None] * len(weights_to_save)"],
+    GroupedFunction.backward: ["saved_tensors = restore_from_func_ctx(ctx)", "weights = saved_tensors[N : 2 * N]",
+                               "saved_weights = saved_tensors[2 * N : 3 * N]"],
+    GroupedFunction._backward_grouped_tensor: ["saved_tensors = restore_from_func_ctx(ctx)",
+                                               "weights_for_gemm = saved_tensors[1]",
+                                               "weight_tensors = saved_tensors[1 : 1 + N]"],
+    TEGroupedLinear.forward: ["_GroupedLinear.apply", "_GroupedLinear.forward", "self.prepare_forward(",
+                              "self.end_forward()", 'self._fp8_workspaces[key] = ws'],
     TELayerNormMLP.forward: ["_LayerNormMLP.apply", "_LayerNormMLP.forward", "self.prepare_forward(",
                              "self.end_forward()"],
 }
@@ -245,7 +286,8 @@ _SENTINELS = {
 _problems = structure_problems(
     _SENTINELS,
     ((LNLFunction.forward, "non_tensor_args", LNL_ARGS), (LNMLPFunction._forward, "non_tensor_args", LNMLP_ARGS),
-     (LNMLPFunction.backward, "_recompute", LNMLP_RECOMPUTED)),
+     (LNMLPFunction.backward, "_recompute", LNMLP_RECOMPUTED),
+     (GroupedFunction.forward, "non_tensor_args", GROUPED_ARGS)),
     ((LinearFwdArgs, LINEAR_FWD_FIELDS), (LinearBwdArgs, LINEAR_BWD_FIELDS)),
 )
 if _problems:

@@ -4,7 +4,10 @@
 the modules they build (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``)
 in their own module files at construction. Inside the block those names are
 the drop-ins (each adapter lists where its kind's name is bound), process
-wide, so one thread at a time may hold the block.
+wide, so one thread at a time may hold the block. TE builds no
+``GroupedLinear`` itself; its name in ``transformer_engine.pytorch`` (and
+``.module``) is rebound, so ``te.GroupedLinear(...)`` inside the block is a
+drop-in (a class bound before the block, e.g. by ``from ... import``, is not).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def _exit_construction() -> None:
 @contextlib.contextmanager
 def managed_construction() -> Iterator[None]:
     """Within the block, ``te.TransformerLayer`` and ``te.MultiheadAttention``
-    build their Linear, LayerNormLinear and LayerNormMLP as drop-ins.
+    build their Linear, LayerNormLinear and LayerNormMLP as drop-ins, and
+    ``te.GroupedLinear(...)`` builds a drop-in GroupedLinear.
 
     It rebinds the names those modules resolve at construction, and restores
     them when the outermost block exits, also after an exception. The

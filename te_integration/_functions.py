@@ -70,6 +70,11 @@ class ModuleAdapter:
     edit_ctx: Callable[[Any, CallRecord, tuple], None]
     #: ``(TE module, name)`` that ``managed_construction`` rebinds to the drop-in.
     construction: tuple[tuple[types.ModuleType, str], ...] = ()
+    #: Further globals of ``file`` install replaces: ``(name, TE's object, ours)``.
+    module_globals: tuple[tuple[str, Any, Any], ...] = ()
+    #: Static methods of TE's Function the seam class overrides: ``(name, ours)``
+    #: (TE's code calls them through the Function's name, so they find the seam's).
+    overrides: tuple[tuple[str, Callable], ...] = ()
 
 
 def seam_function(adapter: ModuleAdapter) -> type:
@@ -117,6 +122,7 @@ def seam_function(adapter: ModuleAdapter) -> type:
         return run_backward(ctx, backwards["backward"], grads)
 
     def body(namespace: dict) -> None:
+        namespace.update({name: staticmethod(ours) for name, ours in adapter.overrides})
         namespace.update({adapter.method: staticmethod(managed), "backward": staticmethod(backward),
                           "__doc__": f"TE's ``{adapter.function_name}``, with each weight's plan applied.",
                           "__module__": __name__})

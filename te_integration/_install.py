@@ -2,7 +2,8 @@
 
 The seamed names are, for each module kind's adapter, ``quantize_weight``
 and the autograd Function in its TE module file (``_quantize`` and
-``_functions``). Stock TE modules and the calls TE handles itself run TE's
+``_functions``), and the further globals the adapter names (GroupedLinear's
+saving pair, ``_adapter_grouped``). Stock TE modules and the calls TE handles itself run TE's
 code through them unchanged. Install refuses, changing nothing, while
 another library's patch holds one of those names (``_foreign_patches``).
 """
@@ -43,6 +44,8 @@ def _seamed_names() -> tuple[SeamedName, ...]:
         names.append(SeamedName(file, "quantize_weight", qw, managed_quantize_weight))
         names.append(SeamedName(file, name, f"{file.__name__}.{name}", SEAM_FUNCTIONS[adapter.kind],
                                 adapter.function))
+        names.extend(SeamedName(file, global_name, f"{theirs.__module__}.{theirs.__qualname__}", ours)
+                     for global_name, theirs, ours in adapter.module_globals)
     return tuple(names)
 
 

@@ -1,4 +1,4 @@
-"""Drop-in ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``, and model conversion.
+"""Drop-in ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``, and model conversion.
 
 The three classes are TE's own, with one mixin in front. The mixin holds no
 workspace logic and does not wrap ``forward``: TE's own ``forward`` runs,
@@ -31,6 +31,7 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "GroupedLinear",
     "convert_model",
     "set_workspace_policy",
     "last_plans",
@@ -94,7 +95,8 @@ class _ManagedModule:
         record.module, record.state, record.kind, record.sharding, record.previous = self, state, state.kind, \
             sharding, below
         record.weights, record.pending, record.rowwise_parts, record.dropped, record.run = (), None, None, None, None
-        record.pushed_by_seam = False
+        record.pushed_by_seam = record.saves_weights = False
+        record.experts, record.expert_index = None, 0
         self.__dict__["is_fsdp2"] = probe.is_fsdp2
         ACTIVE.record = record
         return inp
@@ -155,10 +157,17 @@ class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
     _wm_kind = ModuleKind.LAYERNORM_MLP
 
 
+class GroupedLinear(_ManagedModule, te.TEGroupedLinear):
+    """``te.GroupedLinear`` whose experts' workspaces follow a :class:`WorkspacePolicy`
+    (one plan for all experts, per call; either parameter layout)."""
+
+    _wm_kind = ModuleKind.GROUPED_LINEAR
+
+
 #: TE's class -> its drop-in, for every module kind's adapter.
 _DROP_INS: dict[type, type] = {
-    adapter.te_class: drop_in for adapter in ADAPTERS for drop_in in (Linear, LayerNormLinear, LayerNormMLP)
-    if drop_in._wm_kind is adapter.kind
+    adapter.te_class: drop_in for adapter in ADAPTERS
+    for drop_in in (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) if drop_in._wm_kind is adapter.kind
 }
 if len(_DROP_INS) != len(ADAPTERS):
     raise ImportError("te_integration: a module kind's adapter has no drop-in class")
@@ -188,8 +197,8 @@ def convert_model(
     module_filter: Callable[[torch.nn.Module, str], bool] | None = None,
     policy: WorkspacePolicy | None = None,
 ) -> torch.nn.Module:
-    """Turn the TE ``Linear``/``LayerNormLinear``/``LayerNormMLP`` modules of
-    ``model`` into drop-ins, in place, and return ``model``.
+    """Turn the TE ``Linear``/``LayerNormLinear``/``LayerNormMLP``/``GroupedLinear``
+    modules of ``model`` into drop-ins, in place, and return ``model``.
 
     ``module_filter(module, fqn)`` chooses which ones (default: all);
     ``policy`` pins a policy on each chosen module (default: selected per

@@ -21,7 +21,7 @@ from ._call import ACTIVE, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
 
-__all__ = ["managed_quantize_weight"]
+__all__ = ["managed_quantize_weight", "expert_key", "expert_keys"]
 
 _LEDGER = _attribution.LEDGER
 
@@ -48,8 +48,12 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
             _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
                                            weight=tensor)
         return out, new
+    # A GroupedLinear call plans its experts under one key; each expert's
+    # cache entry and attribution has its own (found only where needed).
+    key = levers.key if record.experts is None else None
     if levers.cache is not CacheAction.BYPASS:
-        out, hit = _cached_quantize(record, levers, tensor, quantizer, skip_update_flag, workspace_dtype)
+        key = key or expert_key(record, tensor)
+        out, hit = _cached_quantize(record, levers, key, tensor, quantizer, skip_update_flag, workspace_dtype)
     else:  # the common case, spelled here: one Python call fewer per module call
         want_columnwise, hit = levers.forward_columnwise, False
         if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
@@ -68,9 +72,13 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         else:
             parts = rowwise_parts(out)
         if parts:
-            record.rowwise_parts = parts if record.rowwise_parts is None else record.rowwise_parts + parts
+            if record.rowwise_parts is None:
+                record.rowwise_parts = parts
+            else:  # one list per call, also for many experts
+                record.rowwise_parts.extend(parts)
     if _LEDGER.enabled:
-        _attribution.forward_workspace(record.module, levers.key, levers.plan, out, from_cache=hit)
+        _attribution.forward_workspace(record.module, key or expert_key(record, tensor), levers.plan, out,
+                                       from_cache=hit)
     return out, None
 
 
@@ -82,15 +90,44 @@ def _levers_of(weights: tuple, tensor: Any) -> Levers | None:
     return None
 
 
-def _cached_quantize(record: CallRecord, levers: Levers, tensor, quantizer, skip_update_flag, workspace_dtype):
+def expert_key(record: CallRecord, tensor) -> str:
+    """The cache key of the GroupedLinear expert ``tensor`` is (TE's:
+    ``weight0``, ``weight1``, ...). TE quantizes the experts in order, so the
+    expected one is checked first; a gathered ``DistributedWeight`` is none
+    of the call's tensors, and takes the expected position."""
+    experts, index = record.experts, record.expert_index
+    if index >= len(experts) or experts[index] is not tensor:
+        index = next((i for i, weight in enumerate(experts) if weight is tensor), index)
+    record.expert_index = index + 1
+    return _EXPERT_KEYS[index] if index < len(_EXPERT_KEYS) else _more_expert_keys(index)
+
+
+#: ``weight0``, ``weight1``, ...: made once per process.
+_EXPERT_KEYS: list[str] = [f"weight{i}" for i in range(64)]
+
+
+def _more_expert_keys(index: int) -> str:
+    _EXPERT_KEYS.extend(f"weight{i}" for i in range(len(_EXPERT_KEYS), index + 1))
+    return _EXPERT_KEYS[index]
+
+
+def expert_keys(count: int) -> tuple[str, ...]:
+    """The cache keys of ``count`` experts' weights."""
+    if count > len(_EXPERT_KEYS):
+        _more_expert_keys(count - 1)
+    return tuple(_EXPERT_KEYS[:count])
+
+
+def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quantizer, skip_update_flag,
+                     workspace_dtype):
     """Quantize a high-precision weight through the module's cache as its
-    plan says (FILL, REUSE or READ_ONLY); returns the workspace and whether
-    it came from the cache."""
+    plan says (FILL, REUSE or READ_ONLY) under ``key``; returns the
+    workspace and whether it came from the cache."""
     state = record.state
     want_columnwise = levers.forward_columnwise
     if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
         quantizer.set_usage(rowwise=True, columnwise=want_columnwise)
-    action, key = levers.cache, levers.key
+    action = levers.cache
     pending = record.pending
     # This call's own fill first, then the module's cache.
     cached = pending[key] if pending is not None and key in pending else record.module._fp8_workspaces.get(key)

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from workspace_manager import Usage
 
-__all__ = ["RebuildQuantizer"]
+__all__ = ["RebuildQuantizer", "quantize_with_usage"]
 
 
 class RebuildQuantizer:
@@ -38,21 +38,26 @@ class RebuildQuantizer:
         """Ignored: the plan's usages stand."""
 
     def __call__(self, tensor: Any) -> Any:
-        quantizer = self.quantizer
-        if type(quantizer) not in RebuildQuantizer.builds_both:
-            quantizer.set_usage(rowwise=self._rowwise, columnwise=self._columnwise)
-            try:
-                return quantizer(tensor)
-            except NotImplementedError:
-                RebuildQuantizer.builds_both.add(type(quantizer))
-            finally:
-                quantizer.set_usage(rowwise=True, columnwise=True)
-        # Both usages, as TE's rebuild asks (and leaves the quantizer), then
-        # the ones the plan does not name dropped at once.
-        quantizer.set_usage(rowwise=True, columnwise=True)
-        out = quantizer(tensor)
-        out.update_usage(rowwise_usage=self._rowwise, columnwise_usage=self._columnwise)
-        return out
+        return quantize_with_usage(self.quantizer, tensor, self._rowwise, self._columnwise)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.quantizer, name)
+
+
+def quantize_with_usage(quantizer: Any, tensor: Any, rowwise: bool, columnwise: bool) -> Any:
+    """``quantizer(tensor)`` holding only the usages named, the quantizer
+    left with both usages (as TE's rebuilds leave it). A format whose
+    kernels cannot build the narrow usage directly (it raises
+    ``NotImplementedError``) builds both, then drops the rest at once."""
+    if type(quantizer) not in RebuildQuantizer.builds_both:
+        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+        try:
+            return quantizer(tensor)
+        except NotImplementedError:
+            RebuildQuantizer.builds_both.add(type(quantizer))
+        finally:
+            quantizer.set_usage(rowwise=True, columnwise=True)
+    quantizer.set_usage(rowwise=True, columnwise=True)
+    out = quantizer(tensor)
+    out.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)
+    return out

@@ -10,6 +10,7 @@ leave cached or derived data behind.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,13 @@ class BackwardWork:
     module: Any
     #: ``(weight, levers)`` of each weight whose plan releases something after backward.
     releases: tuple[tuple[Any, Levers], ...] = ()
+    #: The cache entries a released cache means, where they are not the
+    #: levers' own key: one per expert of a ``GroupedLinear``.
+    cache_keys: tuple[str, ...] = ()
+    #: ``rebuild(ctx, saved)``: quantize again, in the list TE's backward
+    #: restored, the weights saved in high precision in place of their
+    #: workspaces (``GroupedLinear``, whose backward has no rebuild of its own).
+    rebuild: Callable[[Any, list], None] | None = None
 
 
 def backward_work(module: Any, weights: tuple) -> BackwardWork | None:
@@ -41,11 +49,14 @@ def backward_work(module: Any, weights: tuple) -> BackwardWork | None:
 
 
 def _release(work: BackwardWork) -> None:
+    keys = work.cache_keys
     for tensor, levers in work.releases:
         if levers.release_columnwise and isinstance(tensor, te.QuantizedTensorStorage):
             te.clear_columnwise_cache(tensor)
-        if levers.release_cache:
+        if levers.release_cache and not keys:
             release_after_step(work.module, levers.key)
+    for key in keys:
+        release_after_step(work.module, key)
 
 
 def run_backward(ctx, te_backward, grads: tuple):
@@ -58,7 +69,7 @@ def run_backward(ctx, te_backward, grads: tuple):
     finally:
         work = getattr(ctx, "_te_wm_backward", None)
         ctx._te_wm_backward = None
-        if work is not None and work.releases:
+        if work is not None and (work.releases or work.cache_keys):
             _release(work)
         if marking:
             _attribution.backward_mark(ctx, "end")

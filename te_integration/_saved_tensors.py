@@ -24,7 +24,8 @@ def rowwise_parts(workspace) -> list:
     """The tensors only rowwise reads of ``workspace`` need, where its
     columnwise data exists apart from them (TE 2.20.2's storages: FP8
     ``_data`` next to a valid ``_transpose``; block/MX/NVFP4
-    ``_rowwise_data`` and ``_rowwise_scale_inv`` next to ``_columnwise_data``).
+    ``_rowwise_data`` and ``_rowwise_scale_inv`` next to ``_columnwise_data``;
+    a grouped weight's ``rowwise_data`` next to its ``columnwise_data``).
     Per-tensor FP8's ``_scale_inv`` serves both, so it stays."""
     transpose = getattr(workspace, "_transpose", None)
     if transpose is not None and not getattr(workspace, "_transpose_invalid", False):
@@ -35,6 +36,13 @@ def rowwise_parts(workspace) -> list:
     if getattr(workspace, "_columnwise_data", None) is not None:
         return [t for t in (getattr(workspace, "_rowwise_data", None), getattr(workspace, "_rowwise_scale_inv", None))
                 if t is not None]
+    if isinstance(workspace, te.GroupedTensorStorage) and workspace.columnwise_data is not None:
+        # A grouped weight: its rowwise scales serve columnwise reads only
+        # where the columnwise data has none of its own.
+        parts = [workspace.rowwise_data]
+        if workspace.columnwise_scale_inv is not None:
+            parts.append(workspace.scale_inv)
+        return [t for t in parts if t is not None]
     return []
 
 

@@ -57,6 +57,7 @@ class ModuleKind(enum.Enum):
     LINEAR = "linear"
     LAYERNORM_LINEAR = "layernorm_linear"
     LAYERNORM_MLP = "layernorm_mlp"
+    GROUPED_LINEAR = "grouped_linear"
 
 
 #: Instance-dependent capabilities -> a small int for memo keys (see

@@ -440,7 +440,10 @@ def compat() -> dict[str, Any]:
     lnmlp = _file("lnmlp", _LayerNormMLP=mlp_fn, prepare_for_saving=prepare_for_saving)
     other = type("_Unused", (torch.nn.Module,), {"prepare_forward": TELinear.prepare_forward,
                                                   "end_forward": TELinear.end_forward})
+    import _fake_te_grouped as grouped  # it imports this module
+
     return {
+        **grouped.compat_entries(),
         "QuantizedTensorStorage": QuantizedTensorStorage,
         "TELinear": TELinear, "TELayerNormLinear": other, "TELayerNormMLP": mlp.TELayerNormMLP,
         "LinearFunction": LinearFunction, "LNLFunction": lnl_fn,
@@ -467,5 +470,5 @@ def load_full_binding(monkeypatch) -> SimpleNamespace:
     attribution) loaded against the stand-in; the seams are installed into
     its files at the first drop-in call."""
     mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_call", "_adapter_mlp",
-                        "_install", "_modules", "_construction")
+                        "_adapter_grouped", "_install", "_modules", "_construction")
     return SimpleNamespace(files=_FILES, **{name.lstrip("_"): m for name, m in mods.items()})

@@ -43,8 +43,14 @@ def _files() -> dict[str, str]:
             Linear = getattr(_linear, "Linear", None)
             LayerNormLinear = getattr(_lnl, "LayerNormLinear", None)
             LayerNormMLP = getattr(_mlp, "LayerNormMLP", None)
+            from .module import grouped_linear as _grouped
+            GroupedLinear = getattr(_grouped, "GroupedLinear", None)
         """,
-        "pytorch/module/__init__.py": "",
+        "pytorch/module/__init__.py": """
+            from . import grouped_linear as _grouped
+            GroupedLinear = getattr(_grouped, "GroupedLinear", None)
+        """,
+        "pytorch/module/grouped_linear.py": _grouped_linear_source(),
         "pytorch/module/base.py": """
             def quantize_weight(**kwargs):
                 return None, None
@@ -194,6 +200,69 @@ def _files() -> dict[str, str]:
                 return None
         """,
     }
+
+
+def _grouped_linear_source() -> str:
+    """TE's grouped_linear.py as the seams read it: the saving and restoring
+    lines by position, the argument tuple, the module's cache."""
+    pad = " " * 12  # the common indent textwrap.dedent removes from each file
+    saving = "\n".join(pad + " " * 16 + name + "," for name in ("*inputmats", "*weights_fp8", "*saved_weights",
+                                                                  "*biases"))
+    grouped_saving = "\n".join(pad + " " * 16 + name + "," for name in ("input_to_save", "*weights_to_save",
+                                                                          "split_sizes"))
+    body = f"""
+            from . import base as _base
+            quantize_weight = getattr(_base, "quantize_weight", None)
+            tex = None
+            class GroupedTensorStorage:
+                pass
+            def prepare_for_saving(*tensors):
+                return list(tensors), [None] * len(tensors)
+            def restore_from_func_ctx(ctx, return_saved_tensors=False):
+                return []
+            class _GroupedLinear:
+                @staticmethod
+                def _prepare_weights_for_grouped_tensor_gemm(weights, quantizers, workspaces, **kwargs):
+                    return weights, [None]
+                @staticmethod
+                def _forward_grouped_tensor(ctx, weights_to_save, single_grouped_weight):
+                    _GroupedLinear._prepare_weights_for_grouped_tensor_gemm(None, None, None)
+                    weights_to_save = [None] * len(weights_to_save)
+                    prepare_for_saving(
+{grouped_saving}
+                    )
+                @staticmethod
+                def forward(ctx, non_tensor_args, num_gemms):
+                    {_unpack(_compat_literal("GROUPED_ARGS"))}
+                    weights_fp8 = [None] * num_gemms
+                    quantize_weight()
+                    if ctx:
+                        return _GroupedLinear._forward_grouped_tensor(ctx, None, False)
+                    prepare_for_saving(
+{saving}
+                    )
+                @staticmethod
+                def _backward_grouped_tensor(ctx, N):
+                    saved_tensors = restore_from_func_ctx(ctx)
+                    weights_for_gemm = saved_tensors[1]
+                    weight_tensors = saved_tensors[1 : 1 + N]
+                @staticmethod
+                def backward(ctx, N):
+                    saved_tensors = restore_from_func_ctx(ctx)
+                    weights = saved_tensors[N : 2 * N]
+                    saved_weights = saved_tensors[2 * N : 3 * N]
+            class GroupedLinear:
+                def forward(self, *args):
+                    self.prepare_forward(args)
+                    try:
+                        if args:
+                            return _GroupedLinear.apply(*args)
+                        key = _GroupedLinear.forward(None, *args)
+                        self._fp8_workspaces[key] = ws
+                    finally:
+                        self.end_forward()
+        """
+    return body
 
 
 def write_te_tree(root: Path) -> Path:

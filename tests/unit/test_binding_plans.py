@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from _binding_standin import load_binding
+from _fake_te_grouped import compat_entries as grouped_compat_entries
 
 from workspace_manager import (
     BackwardSource,
@@ -137,6 +138,7 @@ def _te_file(name: str, **attrs) -> types.ModuleType:
 def binding(monkeypatch):
     phase = {"enabled": False, "recompute": False}
     compat = {
+        **grouped_compat_entries(),
         "linear_module": _te_file("linear"), "lnl_module": _te_file("layernorm_linear"),
         "lnmlp_module": _te_file("layernorm_mlp", prepare_for_saving=lambda *tensors: list(tensors)),
         "mha_module": _te_file("multi_head_attention"), "transformer_module": _te_file("transformer"),

@@ -9,6 +9,7 @@ import types
 
 import pytest
 from _binding_standin import load_binding
+from _fake_te_grouped import compat_entries as grouped_compat_entries
 
 _PT = "transformer_engine.pytorch.module"
 
@@ -48,6 +49,7 @@ class _StandInTE:
             "TELayerNormMLP": mod, "QuantizedTensorStorage": type("_Storage", (), {}),
             "LNL_ARGS": {}, "LNMLP_ARGS": {}, "mha_module": types.ModuleType("te.mha"),
             "transformer_module": types.ModuleType("te.transformer"),
+            **grouped_compat_entries(quantize_weight=self.base.quantize_weight),
         }
 
     def holders(self) -> dict:

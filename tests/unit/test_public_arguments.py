@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 from _binding_standin import load_binding
+from _fake_te_grouped import compat_entries as grouped_compat_entries
 
 from workspace_manager import FSDP2WorkspacePolicy, PolicyMismatchError, WorkspacePolicy
 
@@ -40,6 +41,7 @@ def ti(monkeypatch):
     transformer.LayerNormMLP = TELayerNormMLP
     function = {"forward": staticmethod(_fn), "backward": staticmethod(_fn), "_forward": staticmethod(_fn)}
     compat = {
+        **grouped_compat_entries(),
         "TELinear": TELinear, "TELayerNormLinear": TELayerNormLinear, "TELayerNormMLP": TELayerNormMLP,
         "TEBaseModule": torch.nn.Module, "QuantizedTensorStorage": type("_Storage", (), {}),
         "LinearFunction": type("_Linear", (), dict(function)), "LNLFunction": type("_LNL", (), dict(function)),

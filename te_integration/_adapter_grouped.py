@@ -1,0 +1,204 @@
+"""The ``GroupedLinear`` adapter: every expert's weight under one plan.
+
+TE's ``_GroupedLinear.forward(ctx, inp, m_splits, non_tensor_args, out,
+dgrad_out, *weights_and_biases)`` takes the experts' weights as one grouped
+parameter (``single_grouped_weight``) or one per expert (``weight0`` ...), and
+runs one of two paths: the split-quantize path, which quantizes each expert
+with ``quantize_weight``, and the grouped-tensor path, which quantizes a
+grouped weight with one kernel (discrete weights still go through
+``quantize_weight``). The experts share shape and quantizer settings, so the
+call is planned once, under the key ``weight``; each expert's cache entry
+and attribution has TE's key (``weight0`` ...).
+
+Unlike the dense modules, TE 2.20.2's GroupedLinear has no ``is_fsdp2``
+switch and its backward quantizes nothing again (only a ``DistributedWeight``
+is gathered again). Two module globals of ``grouped_linear.py`` carry out the
+plans that save no workspace:
+
+* ``prepare_for_saving`` (:func:`managed_prepare_for_saving`) gets each
+  expert's high-precision weight in the slot of its workspace. Under FSDP2
+  that is the unsharded parameter, whose storage FSDP2 frees after forward
+  and gathers again before backward, as it does for TE's dense modules.
+* ``restore_from_func_ctx`` (:func:`managed_restore_from_func_ctx`) puts
+  the weights quantized again, with the plan's backward usages, back into
+  those slots before TE's backward reads them, where the plan requantizes.
+
+On the grouped-tensor path with one grouped weight, TE quantizes without
+``quantize_weight`` and keeps its own cache entry (``weight``): the seam's
+``_prepare_weights_for_grouped_tensor_gemm`` sets the forward usage and the
+cache arguments from the plan before TE's code runs.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+from workspace_manager import BackwardSource, CacheAction, RecomputePass, RecomputeScope, Sharding, Usage
+
+from . import _compat as te
+from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
+from ._functions import ModuleAdapter
+from ._quantize import expert_keys
+from ._rebuild import quantize_with_usage
+from ._release import BackwardWork
+from ._saved_tensors import rowwise_parts
+from ._state import ModuleKind
+
+__all__ = ["GROUPED_LINEAR", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
+
+_GROUPED = ModuleKind.GROUPED_LINEAR
+_A = te.GROUPED_ARGS
+_FP8, _DEBUG, _OFFLOAD, _SKIP = _A["fp8"], _A["debug"], _A["cpu_offloading"], _A["skip_fp8_weight_update"]
+_GRAD, _FIRST, _QUANTIZERS, _SINGLE = (_A["is_grad_enabled"], _A["is_first_microbatch"], _A["weight_quantizers"],
+                                       _A["single_grouped_weight"])
+_NO_RECOMPUTE, _REGION, _DISTRIBUTED = RecomputePass.NONE, RecomputeScope.REGION, Sharding.DISTRIBUTED_WEIGHT
+#: Where the experts' weights start in ``_GroupedLinear.forward``'s arguments.
+_FIRST_WEIGHT = 5
+
+
+def _begin(ctx, args: tuple):
+    record = ACTIVE.record
+    nta = args[2]
+    if (record is None or record.kind is not _GROUPED or not nta[_FP8] or nta[_DEBUG] or nta[_SKIP] is not None
+            or nta[_OFFLOAD] or te.graph_flags._IS_GRAPH_CAPTURING):
+        return None
+    module = record.module
+    experts = args[_FIRST_WEIGHT:_FIRST_WEIGHT + (1 if nta[_SINGLE] else module.num_gemms)]
+    first = experts[0]
+    distributed = getattr(first, "is_distributed_weight", False) and is_distributed(first)
+    recipe = te.FP8GlobalStateManager.get_fp8_recipe()
+    levers = record.state.levers(
+        module, _DISTRIBUTED if distributed else record.sharding, key="weight", weight=first,
+        quantizer=nta[_QUANTIZERS][0], grad=nta[_GRAD], input_requires_grad=args[0].requires_grad,
+        is_first_microbatch=nta[_FIRST], backward_override=getattr(recipe, "backward_override", None),
+        recompute=recompute_pass() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else _NO_RECOMPUTE,
+        scope=_REGION,
+    )
+    # Every tensor TE quantizes in this call is one of its experts.
+    record.weights, record.experts = (GATHERED_WEIGHT, levers), experts
+    # A distributed weight's slots are TE's own (it saves None and gathers again).
+    record.saves_weights = levers.saves_no_workspace and not distributed
+    return record, args
+
+
+def _edit_ctx(ctx, record, args: tuple) -> None:
+    levers = record.weights[1]
+    rebuild = None
+    if record.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
+        rebuild = _Rebuild(args[2][_QUANTIZERS], levers.plan.backward_usage)
+    if not levers.releases and rebuild is None:
+        ctx._te_wm_backward = None
+        return
+    experts = record.experts
+    keys = ()
+    if levers.release_cache:
+        keys = ("weight",) if args[2][_SINGLE] else expert_keys(len(experts))
+    ctx._te_wm_backward = BackwardWork(record.module, tuple(zip(experts, repeat(levers))) if levers.releases else (),
+                                       cache_keys=keys, rebuild=rebuild)
+
+
+class _Rebuild:
+    """Backward's requantization of the experts saved in high precision."""
+
+    __slots__ = ("quantizers", "rowwise", "columnwise")
+
+    def __init__(self, quantizers: list, usage: Usage) -> None:
+        self.quantizers = quantizers
+        self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
+
+    def __call__(self, ctx, saved: list) -> None:
+        count = ctx.num_gemms
+        if not ctx.grouped_tensor_supported:  # split-quantize path: inputs, workspaces, weights, biases
+            saved[count:2 * count] = self._quantized(saved[count:2 * count])
+        elif ctx.single_grouped_weight:  # grouped-tensor path: input, weights, offsets
+            saved[1] = self._quantized_grouped(saved[1], count)
+        else:
+            saved[1:1 + count] = self._quantized(saved[1:1 + count])
+
+    def _quantized(self, weights: list) -> list:
+        rowwise, columnwise = self.rowwise, self.columnwise
+        return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise)
+                for weight, quantizer in zip(weights, self.quantizers)]
+
+    def _quantized_grouped(self, weight, count: int):
+        """One grouped weight, quantized by TE's grouped kernel as its forward does."""
+        if weight is None:
+            return None
+        quantizer = self.quantizers[0]
+        quantizer.set_usage(rowwise=self.rowwise, columnwise=self.columnwise)
+        try:
+            return te.tex.group_quantize(weight.rowwise_data.view(weight.logical_shape), quantizer, count, None)
+        finally:
+            quantizer.set_usage(rowwise=True, columnwise=True)
+
+
+# -- the module globals of grouped_linear.py the seams replace ---------------------------
+def managed_prepare_for_saving(*tensors):
+    """TE's ``prepare_for_saving``, with the experts' high-precision weights
+    in their workspaces' slots where the plan saves no workspace."""
+    record = ACTIVE.record
+    if record is not None and record.saves_weights and record.kind is _GROUPED:
+        tensors = _weights_in_workspace_slots(tensors, record.experts, record.module.num_gemms)
+    return te.prepare_for_saving(*tensors)
+
+
+def _weights_in_workspace_slots(tensors: tuple, experts: tuple, count: int) -> tuple:
+    """TE's two saving layouts (checked in ``_compat``): the split-quantize
+    path's ``inputs, workspaces, weights, biases`` (``4 * count`` tensors)
+    and the grouped-tensor path's ``input, workspaces, four offset tensors``;
+    a slot TE leaves None (no dgrad follows) stays None."""
+    width = len(experts)
+    if len(tensors) == 4 * count:
+        return tensors[:count] + experts + tensors[2 * count:]
+    if len(tensors) == 1 + width + 4:
+        slots = tuple(None if saved is None else weight for saved, weight in zip(tensors[1:1 + width], experts))
+        return tensors[:1] + slots + tensors[1 + width:]
+    raise RuntimeError(
+        f"te_integration: GroupedLinear saved {len(tensors)} tensors for backward, in neither of TE 2.20's "
+        f"layouts for {count} experts; the binding cannot tell where the workspaces are. Please report this "
+        "to the te-workspace-manager project.")
+
+
+def managed_restore_from_func_ctx(ctx, return_saved_tensors: bool = False):
+    """TE's ``restore_from_func_ctx``, then the plan's rebuild of the weights saved in high precision."""
+    out = te.restore_from_func_ctx(ctx, return_saved_tensors)
+    work = getattr(ctx, "_te_wm_backward", None)
+    if work is not None and work.rebuild is not None:
+        work.rebuild(ctx, out[0] if return_saved_tensors else out)
+    return out
+
+
+def managed_prepare_weights(weights, weight_quantizers, weight_workspaces, **kwargs):
+    """TE's ``_prepare_weights_for_grouped_tensor_gemm``, with a grouped
+    weight's forward usage and cache arguments from the plan."""
+    record = ACTIVE.record
+    if (record is None or record.kind is not _GROUPED or not record.weights
+            or not kwargs.get("single_grouped_weight") or not kwargs.get("with_quantized_compute")):
+        return _TE_PREPARE_WEIGHTS(weights, weight_quantizers, weight_workspaces, **kwargs)
+    levers = record.weights[1]
+    kwargs["columnwise_usage"] = levers.forward_columnwise
+    action = levers.cache
+    if action is CacheAction.BYPASS:
+        weight_workspaces, kwargs["cache_weight"] = [None], False
+    elif action is CacheAction.READ_ONLY:
+        kwargs["cache_weight"] = False
+    grouped, new_workspaces = _TE_PREPARE_WEIGHTS(weights, weight_quantizers, weight_workspaces, **kwargs)
+    fresh = grouped is not weights[0] and grouped is not (weight_workspaces[0] if weight_workspaces else None)
+    if levers.saves_columnwise_only and fresh:  # D11, as the quantize_weight seam does for discrete weights
+        parts = rowwise_parts(grouped)
+        if parts:
+            record.rowwise_parts = parts if record.rowwise_parts is None else record.rowwise_parts + parts
+    return grouped, new_workspaces
+
+
+_TE_PREPARE_WEIGHTS = te.GroupedFunction._prepare_weights_for_grouped_tensor_gemm
+
+
+GROUPED_LINEAR = ModuleAdapter(
+    kind=_GROUPED, te_class=te.TEGroupedLinear, function=te.GroupedFunction, function_name="_GroupedLinear",
+    method="forward", file=te.grouped_module, weight_keys=("weight",), begin=_begin, edit_ctx=_edit_ctx,
+    construction=((te.tep, "GroupedLinear"), (te.te_module_package, "GroupedLinear")),
+    module_globals=(("prepare_for_saving", te.prepare_for_saving, managed_prepare_for_saving),
+                    ("restore_from_func_ctx", te.restore_from_func_ctx, managed_restore_from_func_ctx)),
+    overrides=(("_prepare_weights_for_grouped_tensor_gemm", managed_prepare_weights),),
+)
