@@ -130,9 +130,9 @@ def expert_weights(block: torch.nn.Module) -> list[torch.Tensor]:
     """The experts' weights of one high-precision ``GroupedLinear``, one
     (out, in) tensor each: ``weight0..weightN-1``, or views of the single
     grouped parameter's data."""
-    n = block.num_gemms
-    if getattr(block, "single_grouped_weight", False):
-        return list(block.weight.rowwise_data.view(n, block.out_features, block.in_features).unbind(0))
+    n, grouped = block.num_gemms, getattr(block, "weight", None)
+    if getattr(block, "single_grouped_weight", False) and grouped is not None:  # TE packed the experts
+        return list(grouped.rowwise_data.view(n, block.out_features, block.in_features).unbind(0))
     return [getattr(block, f"weight{i}") for i in range(n)]
 
 
