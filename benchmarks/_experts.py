@@ -185,7 +185,8 @@ def measure(spec: ExpertSpec, steps: Steps) -> dict:
             figures, step_losses = probe_step(model, opt, recipe, batches, baseline)
             probes.append(figures)
             losses += step_losses
-        return {**mean_figures(probes), "probes": probes, "losses": losses, "spec": spec.as_dict(),
+        return {**mean_figures(probes), "quantizations_per_step": [p["quantizations"] for p in probes],
+                "probes": probes, "losses": losses, "spec": spec.as_dict(),
                 "build_s": build_s, "baseline_mib": baseline / MIB}
     finally:
         del model, opt

@@ -39,9 +39,10 @@ def fake(job, figures: dict | None = None, losses=(1.0, 0.5)) -> dict:
     values = {**held, **(figures or {})}
     if not spec.sharded and spec.variant == "dropin" and "held_mib" not in (figures or {}):
         values["held_mib"] = STOCK["held_mib"] - spec.shape.params / h.MIB  # D11: exactly 1 B/param less
-    probes = [{**values, "leftover_workspaces": 0, "quantizations": 8}]
+    quantizations = {"bf16": 0, "stock": 8, "dropin": 16, "lean": 16}[spec.variant]
+    probes = [{**values, "leftover_workspaces": 0, "quantizations": quantizations}]
     return {**job.meta, **values, "probes": probes, "losses": list(losses), "spec": spec.as_dict(),
-            "quantizations": 8.0}
+            "quantizations": float(quantizations), "quantizations_per_step": [quantizations]}
 
 
 def samples_for(argv=("--quick",), change=None) -> list[dict]:
@@ -139,6 +140,8 @@ def test_a_drop_in_that_holds_what_bf16_holds_meets_every_target():
     missed = [h.explain_miss(r) for r in rows if r["ok"] is False]
     assert not missed, missed
     judged = {r["metric"] for r in rows if r["ok"] is not None}
+    [quantized] = [r for r in rows_by(rows, "weight quantizations") if r["case"] == "e8 2B FSDP2 Float8CurrentScaling"]
+    assert (quantized["stock"], quantized["dropin"], quantized["ratio"]) == (8, 16, 2.0)  # backward requantizes
     assert {"forward rise per block", "forward-held (after fwd - before)", "peak over the step's start",
             "after step (over before build)", "forward-held, drop-in (D11)", "forward-held, lean",
             "losses identical to stock"} <= judged
