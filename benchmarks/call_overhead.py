@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    "GroupedLinear with N experts (default: %(default)s)")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--profile", default=None, metavar="KIND:RECIPE",
-                   help="also profile one case (e.g. Linear:Float8CurrentScaling, GroupedLinear:64:Float8CurrentScaling) "
-                        "into profile.txt")
+                   help="also profile one case (e.g. Linear:Float8CurrentScaling, "
+                        "GroupedLinear:64:Float8CurrentScaling) into profile.txt")
     p.add_argument("--out", type=Path, default=None, help="folder for call_overhead.json and summary.txt")
     args = p.parse_args(argv)
     try:
