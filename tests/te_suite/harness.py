@@ -22,7 +22,6 @@ time budget) or the swap is not proven. Needs CUDA and TE to mean anything;
 from __future__ import annotations
 
 import argparse
-import enum
 import hashlib
 import json
 import os
@@ -53,6 +52,7 @@ from .report import (
     render_summary,
     write_outcomes,
 )
+from .selection import FULL, GROUPED, QUICK, Entry, Launcher, entries_for
 
 __all__ = ["Launcher", "Entry", "FULL", "GROUPED", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
            "pytest_command", "collect_run"]
@@ -66,64 +66,6 @@ GRACE_S = 30.0
 #: A file is not started with less time than this left in --max-minutes.
 MIN_START_S = 20.0
 DEFAULT_TIMEOUT_S = 1800.0
-
-
-class Launcher(enum.Enum):
-    PYTEST = "pytest"
-    TORCHRUN = "torchrun"  # one pytest per rank: the FSDP2 suite
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A test file or folder of TE's suite (relative to ``--tests-dir``) and its ``-k`` selection."""
-
-    path: str
-    select: str = ""
-    launcher: Launcher = Launcher.PYTEST
-
-
-_LARGE = "(linear or mlp) and not grouped"
-_FSDP2 = "fsdp2/run_fsdp2_mem_leak.py"
-
-#: The default run: large files cut to the dense swapped modules, as TE's
-#: own results for this comparison were taken; the rest whole (their
-#: GroupedLinear cases included); GroupedLinear's own file whole.
-FULL: tuple[Entry, ...] = (
-    Entry("test_sanity.py", _LARGE),
-    Entry("test_grouped_linear.py"),
-    Entry("test_numerics.py", f"{_LARGE} and not delay_wgrad"),
-    Entry("test_cuda_graphs.py"),
-    Entry("test_deferred_init.py"),
-    Entry("test_backward_override.py"),
-    Entry("test_torch_compile.py"),
-    Entry("test_distributed_weight.py"),
-    Entry("test_custom_recipe.py"),
-    Entry("test_hybrid_quantization.py"),
-    Entry("layernorm_mlp"),
-    Entry(_FSDP2, launcher=Launcher.TORCHRUN),
-)
-
-#: ``--quick``: about 570 tests (counted from the files' parametrizations
-#: for an sm_90 GPU; many skip there), with the LayerNormMLP recompute and
-#: weight-caching cases; the small files first, test_numerics last.
-QUICK: tuple[Entry, ...] = (
-    Entry("test_deferred_init.py"),  # 17
-    Entry("layernorm_mlp"),  # 16
-    Entry("test_backward_override.py", "not grouped and (save_original_input or recipe_matches or memory_peak)"),  # 42
-    Entry("test_cuda_graphs.py", "fp8_weight_caching and not grouped"),  # 324
-    Entry(_FSDP2, launcher=Launcher.TORCHRUN),  # 30
-    Entry("test_numerics.py", "(linear or mlp_accuracy_checkpoint) and not grouped and not delay_wgrad"),  # 138
-)
-
-#: ``--grouped``: the GroupedLinear tests (stock TE 2.20.2 on one H200: test_grouped_linear.py
-#: 1064 passed and 507 skipped; test_sanity.py -k grouped 975 passed), then the grouped cases
-#: of the files the default run has whole.
-GROUPED: tuple[Entry, ...] = (
-    Entry("test_grouped_linear.py"),
-    Entry("test_sanity.py", "grouped"),
-    Entry("test_backward_override.py", "grouped"),
-    Entry("test_cuda_graphs.py", "grouped"),
-)
 
 
 @dataclass(frozen=True)
@@ -148,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, metavar="OUT",
                    help="folder for summary.md, comparison.json and the logs")
     tables = p.add_mutually_exclusive_group()
-    tables.add_argument("--quick", action="store_true", help="the smaller selection (QUICK in this module)")
+    tables.add_argument("--quick", action="store_true",
+                        help="the smaller selection (QUICK in tests/te_suite/selection.py)")
     tables.add_argument("--grouped", action="store_true",
-                        help="the GroupedLinear tests (GROUPED in this module): test_grouped_linear.py, "
-                             "test_sanity.py -k grouped, and the grouped cases of two more files")
+                        help="the GroupedLinear tests (GROUPED in tests/te_suite/selection.py): "
+                             "test_grouped_linear.py, test_sanity.py -k grouped, and two more files' grouped cases")
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="run only these (relative to DIR); a file of the table keeps its -k selection")
     p.add_argument("-k", dest="select", default=None, metavar="EXPR",
@@ -171,30 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _entries(args: argparse.Namespace) -> tuple[Entry, ...]:
-    table = QUICK if args.quick else GROUPED if args.grouped else FULL
-    if args.files:
-        known = {e.path: e for e in (*FULL, *table)}  # the chosen table's selection wins
-        picked = [known.get(path.rstrip("/")) or Entry(path.rstrip("/"), launcher=_launcher_for(path))
-                  for path in args.files]
-    else:
-        picked = list(table)
-    if args.select is not None:
-        picked = [Entry(e.path, args.select, e.launcher) for e in picked]
-    return tuple(picked)
-
-
-def _launcher_for(path: str) -> Launcher:
-    return Launcher.TORCHRUN if Path(path).parts[:1] == ("fsdp2",) else Launcher.PYTEST
-
-
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
     """The run ``args`` ask for; parser.error (exit 2) if it cannot be done."""
     tests_dir = args.tests_dir.expanduser()
     if not tests_dir.is_dir():
         parser.error(f"--tests-dir {tests_dir}: no such folder. Give the folder that holds TE's "
                      "tests/pytorch files (test_sanity.py, test_numerics.py, ..., fsdp2/).")
-    entries = _entries(args)
+    entries = entries_for(args)
     outside = [e.path for e in entries if Path(e.path).is_absolute() or ".." in Path(e.path).parts]
     if outside:
         parser.error(f"--files must be paths inside --tests-dir, relative to it: {', '.join(outside)}")
