@@ -121,11 +121,11 @@ def make_batches(shape: ExpertShape, step: int, micro: int = 1) -> list[tuple[to
 
 def estimate_seconds(spec: ExpertSpec, n_steps: int, models: int = 1) -> float:
     """A rough duration, for the ETA and the time budget: building, then per
-    step and microbatch the larger of a launch-bound floor (0.1 ms a GEMM,
+    step and microbatch the larger of a launch-bound floor (20 us a GEMM,
     three GEMMs an expert) and the GEMMs at ~400 TFLOP/s, plus the
     optimizer (memory-bound)."""
     s = spec.shape
-    gemm_s = max(3 * s.blocks * s.experts * 1e-4, 6 * s.tokens * s.params / s.experts / 4e14)
+    gemm_s = max(3 * s.blocks * s.experts * 2e-5, 6 * s.tokens * s.params / s.experts / 4e14)
     build_s = 0.5 + s.params / 1e9
     return models * (build_s + n_steps * (spec.micro * gemm_s + s.params * 16 / 3e12))
 
