@@ -284,7 +284,8 @@ def new_result(name: str, config: dict) -> dict:
 def command_line(name: str) -> str:
     """How this run was launched, as a command to repeat it."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 else "python3 -m"
+    # torchrun sets LOCAL_RANK: at world size 1 the run was still a torchrun one
+    launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 or "LOCAL_RANK" in os.environ else "python3 -m"
     return f"{launcher} benchmarks.{name} {shlex.join(sys.argv[1:])}".rstrip()
 
 

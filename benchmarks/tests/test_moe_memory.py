@@ -226,3 +226,12 @@ def test_the_markdown_has_the_table_against_stock_and_bf16(tmp_path):
     assert "## Every variant against stock and bf16" in text and "Targets met:" in text
     [line] = [ln for ln in text.splitlines() if ln.startswith("| fsdp2 | e8 2B FSDP2 Float8CurrentScaling | stock")]
     assert "| 72 | 1.0000 | 4.5000 |" in line  # forward rise, /stock, /bf16
+
+
+def test_the_recorded_command_is_a_torchrun_one_at_world_size_one(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["moe_memory", "--stacks", "e8"])
+    assert h.command_line("moe_memory") == "torchrun --nproc_per_node=1 -m benchmarks.moe_memory --stacks e8"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert h.command_line("moe_memory").startswith("python3 -m benchmarks.moe_memory")
