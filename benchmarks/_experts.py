@@ -86,8 +86,8 @@ class ExpertSpec:
 
     def label(self) -> str:
         parts = [self.shape.name, f"{self.shape.blocks}B", "FSDP2" if self.sharded else "unsharded",
-                 self.recipe, f"x{self.micro}" if self.micro > 1 else "", "single-weight" if self.single_weight
-                 else "", self.variant]
+                 "" if self.variant == "bf16" else self.recipe, f"x{self.micro}" if self.micro > 1 else "",
+                 "single-weight" if self.single_weight else "", self.variant]
         return " ".join(p for p in parts if p)
 
     def as_dict(self) -> dict:
