@@ -162,6 +162,22 @@ def probe_step(model, opt, recipe, batches, baseline: int) -> tuple[dict, list[f
             "cached_workspaces": cached_workspaces(model)}, [float(v) for v in losses]
 
 
+def quantizer_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the TE modules' recipe state (``fp8_meta``: scales, amax
+    histories), each storage once. It lives from the first FP8 forward on,
+    so memory over the build baseline holds it; bf16 models have none."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        for state in (meta.values() if isinstance(meta, dict) else ()):
+            for value in (vars(state).values() if hasattr(state, "__dict__") else ()):
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
 def measure(spec: ExpertSpec, steps: Steps) -> dict:
     """Build ``spec``, train ``steps.warmup`` steps, then probe
     ``steps.probe`` steps; the probes' mean figures, each probe, the losses
@@ -186,6 +202,7 @@ def measure(spec: ExpertSpec, steps: Steps) -> dict:
             probes.append(figures)
             losses += step_losses
         return {**mean_figures(probes), "quantizations_per_step": [p["quantizations"] for p in probes],
+                "quantizer_state_mib": quantizer_state_bytes(model) / MIB,
                 "probes": probes, "losses": losses, "spec": spec.as_dict(),
                 "build_s": build_s, "baseline_mib": baseline / MIB}
     finally:

@@ -235,3 +235,35 @@ def test_the_recorded_command_is_a_torchrun_one_at_world_size_one(monkeypatch):
     assert h.command_line("moe_memory") == "torchrun --nproc_per_node=1 -m benchmarks.moe_memory --stacks e8"
     monkeypatch.delenv("LOCAL_RANK")
     assert h.command_line("moe_memory").startswith("python3 -m benchmarks.moe_memory")
+
+
+def test_after_the_step_the_drop_ins_own_recipe_state_is_allowed_on_top_of_bf16():
+    state = 10.0  # MiB of amax histories, as a 64-expert stack under delayed scaling has
+    argv = ["--quick", "--sections", "fsdp2", "--stacks", "e64"]
+    samples = samples_for(argv, change=lambda job: {"after_step_mib": BF16["after_step_mib"] + state + 0.5,
+                                                   "quantizer_state_mib": state})
+    [row] = [r for r in summary.summarize(samples)["rows"] if r["metric"] == "after step (over before build)"
+             and r["ok"] is not None]
+    assert row["ok"] and "recipe state 10.00" in row["target"]
+    samples = samples_for(argv, change=lambda job: {"after_step_mib": BF16["after_step_mib"] + state + 0.5})
+    [row] = [r for r in summary.summarize(samples)["rows"] if r["metric"] == "after step (over before build)"
+             and r["ok"] is not None]
+    assert row["ok"] is False  # without recipe state to show for it, 10 MiB more is a copy kept
+
+
+def test_recipe_state_counts_each_storage_of_every_modules_fp8_meta_once():
+    import torch
+
+    from benchmarks._experts import quantizer_state_bytes
+
+    class State:
+        def __init__(self, history):
+            self.amax_history, self.scale, self.view = history, torch.ones(4), history[0]
+
+    shared = torch.zeros(16, 4)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    a.fp8_meta = {"scaling_fwd": State(shared), "recipe": object(), "fp8_checkpoint": False}
+    b.fp8_meta = {"scaling_fwd": State(shared), "scaling_bwd": State(torch.zeros(16, 2))}
+    model = torch.nn.Sequential(a, b)
+    assert quantizer_state_bytes(model) == 4 * (16 * 4 + 4 + 4 + 16 * 2 + 4)
+    assert quantizer_state_bytes(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
