@@ -14,8 +14,9 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``soak`` | 2 GPUs, FSDP2 | allocated memory after each of 200 steps: flat after warm-up |
 | ``step_time`` | 2 GPUs, FSDP2 | paired step time: stock, drop-in and a second stock (the noise floor) take turns step by step; ``--policy`` pins an option on the drop-in |
 | ``timeline`` | CPU, after a GPU run | live workspace bytes at every forward/backward boundary of one step, stock vs drop-in, from the FSDP2 worker's attribution report |
-| ``call_overhead`` | 1 GPU | host time a drop-in adds per module call (forward + backward), paired with a stock control; a profile of where it goes |
+| ``call_overhead`` | 1 GPU | host time a drop-in adds per module call (forward + backward), paired with a stock control, ``GroupedLinear`` with 8 and 64 experts included (the added time must not grow with the experts); a profile of where it goes |
 | ``saved_workspace`` | 1 GPU, no FSDP | memory held from forward to backward, peak and paired step time: stock, drop-in (D11), ``LeanWorkspacePolicy``, bf16; bit-exact check; what one layer keeps for backward, tensor by tensor |
+| ``moe_memory`` | 1 or 2 GPUs, FSDP2 and unsharded | MoE expert stacks of ``te.GroupedLinear`` (8 and 64 experts): memory per block, held, peak, after backward and step, stock/drop-in/bf16 per recipe, 1 and 4 microbatches; unsharded with ``LeanWorkspacePolicy``; paired step time with a control |
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |

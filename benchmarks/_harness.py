@@ -202,7 +202,7 @@ def describe_times(label: str, seconds: Sequence[float]) -> str:
 
 
 def time_row(case: str, stock_s: Sequence[float], dropin_s: Sequence[float], *,
-             limit: float = TIME_RATIO_MAX, strict: bool = False, min_samples: int = 10) -> dict:
+             limit: float | None = TIME_RATIO_MAX, strict: bool = False, min_samples: int = 10) -> dict:
     """Median step time, drop-in against stock, with both spreads. A miss
     whose interquartile ranges overlap says so: the difference is then inside
     step-to-step noise."""
@@ -224,6 +224,15 @@ def time_row(case: str, stock_s: Sequence[float], dropin_s: Sequence[float], *,
         notes.append(f"+{dr['median'] - st['median']:.3f} ms per step; IQRs "
                      + ("overlap: within step-to-step noise" if overlap else "do not overlap"))
     row["note"] = "; ".join(notes)
+    return row
+
+
+def control_row(case: str, stock_s: Sequence[float], again_s: Sequence[float]) -> dict:
+    """The paired benchmarks' control: a second stock model against the
+    first, the noise floor a drop-in's time ratio is read against; no target."""
+    row = time_row(case, stock_s, again_s, limit=None)
+    row.update(metric="median step time, control: stock again / stock",
+               note="the noise floor of this comparison; no target")
     return row
 
 
@@ -275,7 +284,8 @@ def new_result(name: str, config: dict) -> dict:
 def command_line(name: str) -> str:
     """How this run was launched, as a command to repeat it."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 else "python3 -m"
+    # torchrun sets LOCAL_RANK: at world size 1 the run was still a torchrun one
+    launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 or "LOCAL_RANK" in os.environ else "python3 -m"
     return f"{launcher} benchmarks.{name} {shlex.join(sys.argv[1:])}".rstrip()
 
 

@@ -395,38 +395,18 @@ def profile_round(models: dict, opts: dict, recipes: dict, specs: dict[str, Mode
 
 
 def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool = False) -> dict:
-    """Build every model of ``specs`` ({label: spec}) and train them in turn,
-    one step each: ``steps.warmup`` untimed rounds, then ``steps.timed``
-    timed ones. Each step is timed between two synchronizations and reported
-    as the slowest rank's. Drift in clocks or load then hits every model alike.
-    Stock models step with the seams taken out (see :func:`seams_for`), so
-    the ratios compare against TE's own code; the seams come back after.
-    With ``profile``, one more step of stock and drop-in is counted
-    (:func:`profile_round`)."""
+    """Build every model of ``specs`` ({label: spec}) and train them in turn
+    (:func:`take_turns`). With ``profile``, one more step of stock and
+    drop-in is counted (:func:`profile_round`)."""
     release_memory()
     models = {label: build(spec) for label, spec in specs.items()}
     opts = {label: optimizer_for(model) for label, model in models.items()}
     recipes = {label: make_recipe(spec.recipe) for label, spec in specs.items()}
     size = next(iter(specs.values())).size
-    times: dict[str, list[float]] = {label: [] for label in specs}
-    losses: dict[str, list[float]] = {label: [] for label in specs}
     try:
-        for step in range(steps.warmup + steps.timed):
-            batches = make_batches(size, step, steps.micro)
-            labels = list(models)
-            # Rotate who goes first each round: a position in the round must not favour anyone.
-            for label in labels[step % len(labels):] + labels[:step % len(labels)]:
-                model = models[label]
-                seams_for(specs[label].managed)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step_losses = run_step(model, opts[label], recipes[label], batches)
-                torch.cuda.synchronize()
-                if step >= steps.warmup:
-                    times[label].append(time.perf_counter() - t0)
-                losses[label] += [float(v) for v in step_losses]
-        result = {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses,
-                  "specs": {label: spec.as_dict() for label, spec in specs.items()}}
+        result = take_turns(models, opts, recipes, {label: spec.managed for label, spec in specs.items()},
+                            lambda step: make_batches(size, step, steps.micro), steps, dist)
+        result["specs"] = {label: spec.as_dict() for label, spec in specs.items()}
         if profile:  # after the timed rounds: profiling must not touch them
             result["profile"] = profile_round(models, opts, recipes, specs, make_batches(size, 10_000, steps.micro))
         return result
@@ -434,3 +414,33 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool 
         seams_for(True)
         del models, opts
         release_memory()
+
+
+def take_turns(models: dict, opts: dict, recipes: dict, managed: dict[str, bool], batches_for, steps: Steps,
+               dist) -> dict:
+    """Train the models ({label: model}) in turn, one step each on the same
+    ``batches_for(step)``: ``steps.warmup`` untimed rounds, then
+    ``steps.timed`` timed ones. Each step is timed between two
+    synchronizations and reported as the slowest rank's. Drift in clocks or
+    load then hits every model alike. Stock models (``managed[label]``
+    False) step with the seams taken out (see :func:`seams_for`), so the
+    ratios compare against TE's own code; the seams come back after."""
+    times: dict[str, list[float]] = {label: [] for label in models}
+    losses: dict[str, list[float]] = {label: [] for label in models}
+    try:
+        for step in range(steps.warmup + steps.timed):
+            batches = batches_for(step)
+            labels = list(models)
+            # Rotate who goes first each round: a position in the round must not favour anyone.
+            for label in labels[step % len(labels):] + labels[:step % len(labels)]:
+                seams_for(managed[label])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step_losses = run_step(models[label], opts[label], recipes[label], batches)
+                torch.cuda.synchronize()
+                if step >= steps.warmup:
+                    times[label].append(time.perf_counter() - t0)
+                losses[label] += [float(v) for v in step_losses]
+    finally:
+        seams_for(True)
+    return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses}

@@ -11,6 +11,13 @@ run with the binding's seams taken out (``te_integration.uninstall_seams``,
 outside the timed region), so stock is TE's own code. Reported per
 call: the median over blocks of (drop-in - stock) and, as the noise floor,
 (stock again - stock). Target: at most 5 us added per call.
+
+``GroupedLinear:8`` and ``GroupedLinear:64`` are ``GroupedLinear`` with 8
+and 64 experts, 16 tokens each (TE's sm_90 FP8 split alignment). The binding
+plans once per call shape, not once per expert, so its added time must not
+grow with the experts: the summary gives the 64-expert added time over the
+8-expert one per recipe, and the check is that it grows by at most the
+larger of 1 us and the two controls' spread.
 """
 
 from __future__ import annotations
@@ -28,8 +35,24 @@ from ._stack import seams_for
 
 TARGET_US = 5.0
 RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
-KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP")
+KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear:8", "GroupedLinear:64")
+#: Tokens per expert of the GroupedLinear cases.
+TOKENS_PER_EXPERT = 16
+#: The 64-expert added time may exceed the 8-expert one by at most this much (or the controls' spread).
+GROWTH_US = 1.0
 ORDER = ("stock", "dropin", "stock_again")
+
+
+def parse_kind(kind: str) -> tuple[str, int | None]:
+    """``"GroupedLinear:64"`` -> ("GroupedLinear", 64); a dense kind -> (kind, None)."""
+    name, _, experts = kind.partition(":")
+    if name == "GroupedLinear":
+        if not experts.isdigit() or int(experts) < 1:
+            raise ValueError(f"{kind!r}: give GroupedLinear its experts, e.g. GroupedLinear:8")
+        return name, int(experts)
+    if experts or name not in KINDS:
+        raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(KINDS)} (any GroupedLinear:N)")
+    return name, None
 
 
 def build(kind: str, managed: bool, hidden: int) -> torch.nn.Module:
@@ -38,12 +61,23 @@ def build(kind: str, managed: bool, hidden: int) -> torch.nn.Module:
     import te_integration as ti
 
     torch.manual_seed(0)
-    cls = getattr(ti if managed else te, kind)
-    args = (hidden, 2 * hidden) if kind == "LayerNormMLP" else (hidden, hidden)
+    name, experts = parse_kind(kind)
+    cls = getattr(ti if managed else te, name)
+    if experts is not None:
+        return cls(experts, hidden, hidden, bias=False, params_dtype=torch.bfloat16).cuda()
+    args = (hidden, 2 * hidden) if name == "LayerNormMLP" else (hidden, hidden)
     return cls(*args, params_dtype=torch.bfloat16).cuda()
 
 
-def time_block(module, inp, recipe, calls: int) -> float:
+def call_args(kind: str, args: argparse.Namespace) -> tuple:
+    """What each call passes: the input, and for GroupedLinear the splits."""
+    _, experts = parse_kind(kind)
+    tokens = args.tokens if experts is None else experts * TOKENS_PER_EXPERT
+    inp = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return (inp,) if experts is None else (inp, [TOKENS_PER_EXPERT] * experts)
+
+
+def time_block(module, inputs: tuple, recipe, calls: int) -> float:
     """Seconds per call over ``calls`` forward+backward calls."""
     import transformer_engine.pytorch as te
 
@@ -51,7 +85,7 @@ def time_block(module, inp, recipe, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         with te.autocast(enabled=True, recipe=recipe):
-            out = module(inp)
+            out = module(*inputs)
         out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls
@@ -62,15 +96,15 @@ def measure(kind: str, recipe_name: str, args: argparse.Namespace) -> dict:
 
     recipe = getattr(recipes, recipe_name)()
     modules = {label: build(kind, label == "dropin", args.hidden) for label in ORDER}
-    inp = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    inputs = call_args(kind, args)
     for module in modules.values():  # warm-up: TE's first calls set up its state
-        time_block(module, inp, recipe, 20)
+        time_block(module, inputs, recipe, 20)
     per_call = {label: [] for label in ORDER}
     for block in range(args.blocks):
         # Rotate who goes first: a position in the round must not favour anyone.
         for label in ORDER[block % 3:] + ORDER[:block % 3]:
             seams_for(label == "dropin")
-            per_call[label].append(time_block(modules[label], inp, recipe, args.calls))
+            per_call[label].append(time_block(modules[label], inputs, recipe, args.calls))
     added = [1e6 * (d - s) for d, s in zip(per_call["dropin"], per_call["stock"])]
     control = [1e6 * (a - s) for a, s in zip(per_call["stock_again"], per_call["stock"])]
     return {
@@ -91,14 +125,14 @@ def profile(kind: str, recipe_name: str, args: argparse.Namespace) -> str:
     from transformer_engine.common import recipe as recipes
 
     recipe = getattr(recipes, recipe_name)()
-    inp = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    inputs = call_args(kind, args)
     out = []
     for label in ("dropin", "stock"):
         module = build(kind, label == "dropin", args.hidden)
         seams_for(label == "dropin")
-        time_block(module, inp, recipe, 20)
+        time_block(module, inputs, recipe, 20)
         prof = cProfile.Profile()
-        prof.runcall(time_block, module, inp, recipe, args.calls)
+        prof.runcall(time_block, module, inputs, recipe, args.calls)
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         out.append(f"== {label} {kind} {recipe_name}, {args.calls} calls\n{text.getvalue()}")
@@ -119,7 +153,42 @@ def summary(rows: list[dict]) -> str:
         verdict = "met" if r["added_us"] <= TARGET_US else f"MISSED by {r['added_us'] - TARGET_US:.1f} us"
         lines.append(f"{r['kind']:16} {r['recipe']:22} {r['stock_us']:13.1f} {r['added_us']:9.2f} "
                      f"{r['control_us']:11.2f}  {verdict}")
+    checks = expert_growth(rows)
+    if checks:
+        lines += ["", "GroupedLinear: added host time per call against the number of experts (must not grow)"]
+        lines += [describe_growth(c) for c in checks]
     return "\n".join(lines)
+
+
+def expert_growth(rows: list[dict]) -> list[dict]:
+    """Per recipe with GroupedLinear at two or more expert counts: the added
+    time at the most experts against the fewest, their ratio, and whether it
+    grew by at most ``max(GROWTH_US, |control| at both)``."""
+    by_recipe: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        name, experts = parse_kind(r["kind"])
+        if experts is not None:
+            by_recipe.setdefault(r["recipe"], {})[experts] = r
+    checks = []
+    for recipe, by_experts in by_recipe.items():
+        if len(by_experts) < 2:
+            continue
+        few, many = by_experts[min(by_experts)], by_experts[max(by_experts)]
+        allowed = max(GROWTH_US, abs(few["control_us"]) + abs(many["control_us"]))
+        growth = many["added_us"] - few["added_us"]
+        checks.append({"recipe": recipe, "experts": (min(by_experts), max(by_experts)),
+                       "added_us": (few["added_us"], many["added_us"]), "growth_us": growth,
+                       "ratio": many["added_us"] / few["added_us"] if few["added_us"] > 0 else None,
+                       "allowed_us": allowed, "ok": growth <= allowed})
+    return checks
+
+
+def describe_growth(c: dict) -> str:
+    (few, many), (a_few, a_many) = c["experts"], c["added_us"]
+    ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}"
+    verdict = "met" if c["ok"] else "MISSED: the added time grows with the experts"
+    return (f"{c['recipe']:22} added {many} experts {a_many:.2f} us / {few} experts {a_few:.2f} us = ratio {ratio} "
+            f"(growth {c['growth_us']:+.2f} us, allowed {c['allowed_us']:.2f} us): {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=15, help="blocks per module (default 15)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated module kinds; GroupedLinear:N is "
+                   "GroupedLinear with N experts (default: %(default)s)")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--profile", default=None, metavar="KIND:RECIPE",
-                   help="also profile one case (e.g. Linear:Float8CurrentScaling) into profile.txt")
+                   help="also profile one case (e.g. Linear:Float8CurrentScaling, "
+                        "GroupedLinear:64:Float8CurrentScaling) into profile.txt")
     p.add_argument("--out", type=Path, default=None, help="folder for call_overhead.json and summary.txt")
     args = p.parse_args(argv)
+    try:
+        for kind in args.kinds.split(","):
+            parse_kind(kind)
+        if args.profile:
+            parse_kind(args.profile.rsplit(":", 1)[0])
+    except ValueError as err:
+        p.error(str(err))
     if not torch.cuda.is_available():
         print("call_overhead needs a CUDA GPU and TransformerEngine 2.20.x; nothing measured.")
         return 2
@@ -151,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "call_overhead.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
-                                                                 "rows": rows, "skipped": skipped}, indent=1))
+                                                                 "rows": rows, "skipped": skipped,
+                                                                 "expert_growth": expert_growth(rows)}, indent=1))
         (args.out / "summary.txt").write_text(text + "\n")
         if args.profile:
-            (args.out / "profile.txt").write_text(profile(*args.profile.split(":"), args))
-    return 0 if all(r["added_us"] <= TARGET_US for r in rows) else 1
+            (args.out / "profile.txt").write_text(profile(*args.profile.rsplit(":", 1), args))
+    met = all(r["added_us"] <= TARGET_US for r in rows) and all(c["ok"] for c in expert_growth(rows))
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

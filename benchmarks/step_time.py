@@ -156,9 +156,7 @@ def dropin_time_row(case: str, sample: dict) -> dict:
 def case_rows(case: str, sample: dict) -> list[dict]:
     t, losses = sample["step_time_s"], sample["losses"]
     same = losses["dropin"] == losses["stock"] and losses["stock_again"] == losses["stock"]
-    control = h.time_row(case, t["stock"], t["stock_again"], limit=None)
-    control.update(metric="median step time, control: stock again / stock",
-                   note="the noise floor of this comparison; no target")
+    control = h.control_row(case, t["stock"], t["stock_again"])
     return [
         h.check_row(case, "losses identical (stock, drop-in, stock again)", same,
                     f"{len(losses['stock'])} steps" + ("" if same else ": they differ")),

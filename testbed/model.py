@@ -9,6 +9,8 @@ with bf16 params or under ``te.quantized_model_init``, optionally with
 from the same weights. Around it: TE's FusedAdam with fp32 master weights,
 seeded random batches, the allocated-memory mark and a counter of weight
 quantizations. The recipes by name are in :mod:`testbed.recipes`.
+The MoE expert stack, built with this module's sharding and pinning, is in
+:mod:`testbed.experts`.
 
 Why this module, and why here. ``benchmarks/_stack.py`` and
 ``tests/gpu/_fsdp2_stack.py`` each had their own copy of this code, the fix
@@ -114,7 +116,9 @@ def pin_policy(model: torch.nn.Module, policy: Any) -> int:
     policy's name."""
     import te_integration as ti
 
-    drop_ins = [m for m in model.modules() if isinstance(m, (ti.Linear, ti.LayerNormLinear, ti.LayerNormMLP))]
+    names = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+    kinds = tuple(getattr(ti, n) for n in names if hasattr(ti, n))
+    drop_ins = [m for m in model.modules() if isinstance(m, kinds)]
     if not drop_ins:
         raise ValueError(f"pin_policy: {type(model).__name__} holds no drop-in module to pin {policy!r} on")
     for module in drop_ins:

@@ -379,9 +379,9 @@ def test_run_all_dry_run_lists_the_commands(capsys, tmp_path):
     assert run_all.main(["--quick", "--dry-run", "--out", str(tmp_path), "--", "--recipes", "DelayedScaling"]) == 0
     out = capsys.readouterr().out
     assert "-m benchmarks.policy_overhead" in out
-    for name in ("step_time", "fsdp2_memory", "microbatch", "recompute", "soak"):
+    for name in ("step_time", "fsdp2_memory", "microbatch", "recompute", "soak", "moe_memory"):
         assert f"-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
-    assert out.count("--time-budget") == 5 and out.count("--recipes DelayedScaling") == 5
+    assert out.count("--time-budget") == 6 and out.count("--recipes DelayedScaling") == 6
 
 
 # -- workspace attribution rows (issue 6) ------------------------------------------------------

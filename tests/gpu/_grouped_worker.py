@@ -26,13 +26,32 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from testbed.dist import guard, run_worker  # noqa: E402
-from testbed.experts import EXPERT_SHAPES, build_expert_stack, expert_inputs  # noqa: E402
-from testbed.model import optimizer_for, release_memory, shard  # noqa: E402
+from testbed.experts import build_expert_reference, build_expert_stack  # noqa: E402
+from testbed.model import optimizer_for, release_memory  # noqa: E402
 from testbed.recipes import make_recipe, recipe_skip_reason  # noqa: E402
 
 RECIPES = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]
 SHARDINGS = ["none", "fsdp2_reshard", "fsdp2_keep"]
 STEPS = 3
+#: Two blocks (256 -> 384 -> 256) of 4 experts, 128 tokens each: every
+#: shape distinct, so a saved tensor's shape says what it is.
+EXPERTS, HIDDEN, OUT, TOKENS, BLOCKS = 4, 256, 384, 512, 2
+EXPERT_SHAPES = {"experts": EXPERTS, "features": (HIDDEN, OUT), "tokens": TOKENS, "blocks": BLOCKS}
+
+
+def _inputs(seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, device="cuda", generator=g).requires_grad_()
+
+
+def _model(case: dict, variant: str, recipe):
+    sharded, keep = case["sharding"] != "none", case["sharding"] == "fsdp2_keep"
+    common = dict(single_grouped_weight=case["single"], sharded=sharded, reshard_after_forward=not keep,
+                  out_features=OUT)
+    if variant == "linears":
+        return build_expert_reference(BLOCKS, EXPERTS, HIDDEN, **common)
+    return build_expert_stack(BLOCKS, EXPERTS, HIDDEN, recipe=recipe, managed=variant == "managed",
+                              quantized_init=case["qinit"], **common)
 
 
 def _digest(tensors) -> str:
@@ -84,7 +103,18 @@ def _saved_kinds(grad_fn, block) -> dict:
         kind = None if t is None else _slot_kind(t, block, params, cached)
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
+        if kind in ("param", "quantized") and _stale_columnwise(t):
+            counts["stale_columnwise"] = counts.get("stale_columnwise", 0) + 1
     return counts
+
+
+def _stale_columnwise(t) -> bool:
+    """A per-tensor FP8 weight whose transpose is not its data's: a
+    columnwise copy left from before the data last changed."""
+    transpose, data = getattr(t, "_transpose", None), getattr(t, "_data", None)
+    if transpose is None or data is None or getattr(t, "_transpose_invalid", True):
+        return False
+    return not torch.equal(transpose, data.t().contiguous())
 
 
 def _run(case: dict, variant: str) -> dict:
@@ -92,9 +122,7 @@ def _run(case: dict, variant: str) -> dict:
     import te_integration as ti
 
     recipe = make_recipe(case["recipe"])
-    model = build_expert_stack(variant, recipe=recipe, quantized_init=case["qinit"], single=case["single"])
-    if case["sharding"] != "none":
-        shard(model, reshard_after_forward=case["sharding"] == "fsdp2_reshard")
+    model = _model(case, variant, recipe)
     seen: list = []
     hooks = [blk.register_forward_hook(lambda m, args, out: seen.append((m, out.grad_fn)))
              for blk in model if isinstance(blk, te.GroupedLinear)]
@@ -102,7 +130,7 @@ def _run(case: dict, variant: str) -> dict:
     losses, saved, micro = [], [], (True, False, False) if case["microbatches"] else (None,)
     for step in range(STEPS):
         for i, first in enumerate(micro):
-            x = expert_inputs(seed=100 * step + i)
+            x = _inputs(seed=100 * step + i)
             with te.autocast(enabled=True, recipe=recipe):
                 out = model(x, is_first_microbatch=first, recompute=case["recompute"])
             if step == 1 and i == 0:

@@ -13,6 +13,8 @@ experts' workspaces after forward, and the cache after the step.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from _launch import TE_WORLD1_BLOCK_QINIT, two_rank_report
 
@@ -50,8 +52,16 @@ def _same(a: dict, b: dict) -> bool:
     return a["losses"] == b["losses"] and a["params"] == b["params"]
 
 
+def _stock_plan(case) -> bool:
+    """Cases whose plan is stock GroupedLinear's: unsharded, and quantized
+    parameters under FSDP2 with resharding (with ``reshard_after_forward=False``
+    the plan also frees the gathered parameters' columnwise data after
+    backward, see the test below)."""
+    return case["sharding"] == "none" or (case["qinit"] and case["sharding"] == "fsdp2_reshard")
+
+
 def test_bit_exact_against_stock_where_the_plan_is_stock_s(report):
-    cases = [(c, e) for c, e in _cases(report) if c["sharding"] == "none" or c["qinit"]]
+    cases = [(c, e) for c, e in _cases(report) if _stock_plan(c)]
     bad = [c for c, e in cases if not _same(e["stock"], e["managed"])]
     assert len(cases) >= 24 and not bad, bad
 
@@ -76,36 +86,38 @@ def test_fsdp2_exact_requantization_also_equals_stock(report, recipe):
     assert cases and not bad, bad
 
 
-#: What the report names each kind of saved tensor (a quantized parameter
-#: may come back as the parameter or, gathered by FSDP2, as its unsharded copy).
-_KINDS = {"hp": "hp", "col": "col", "row": "row", "cached": "cached", "param": "qparam", "quantized": "qparam"}
-
-
-def _kinds(got: dict) -> dict:
+def _kinds(got: dict, qinit: bool) -> dict:
+    """The saved tensors by what they are: ``hp`` (a high-precision weight,
+    the registered parameter or FSDP2's unsharded copy), ``qparam`` (a
+    quantized parameter, as registered or gathered), ``col``/``row`` (a fresh
+    workspace's data), ``cached`` (a cache entry)."""
+    names = {"hp": "hp", "col": "col", "row": "row", "cached": "cached", "quantized": "qparam",
+             "param": "qparam" if qinit else "hp"}
     merged: dict = {}
     for kind, count in got.items():
-        if kind in _KINDS:
-            merged[_KINDS[kind]] = merged.get(_KINDS[kind], 0) + count
+        if kind in names:
+            merged[names[kind]] = merged.get(names[kind], 0) + count
     return merged
 
 
-def _expected_slots(case) -> dict:
-    experts = 4
-    if case["qinit"]:
-        return {"qparam": experts}
-    if case["sharding"] != "none":
-        return {"hp": experts}
-    return {"cached": experts} if case["microbatches"] else {"col": experts}
+def _expected_slots(case, plan: str) -> dict:
+    """What the plan says backward is handed, per block of 4 experts."""
+    backward = re.search(r"backward=(\w+)", plan).group(1)
+    if backward == "requantize":
+        return {"hp": 4}
+    if backward == "saved_parameter":
+        return {"qparam": 4}
+    return {"cached": 4} if case["microbatches"] else {"col": 4}
 
 
 def test_what_backward_is_handed_matches_the_plan(report):
     bad, checked = [], 0
     for case, entry in _cases(report, single=False, recompute=False):
-        want = _expected_slots(case)
+        want = _expected_slots(case, entry["managed"]["plan"])
         assert len(entry["managed"]["saved"]) == 2, case
         for block, got in enumerate(entry["managed"]["saved"]):
             checked += 1
-            if _kinds(got) != want:
+            if _kinds(got, case["qinit"]) != want:
                 bad.append((case, block, got, want))
     assert checked >= 48 and not bad, "\n".join(map(str, bad))
 
@@ -132,3 +144,32 @@ def test_unsharded_microbatches_cache_every_expert_as_stock(report):
     for case, entry in cases:
         assert entry["managed"]["cache"] == entry["stock"]["cache"], case
         assert len(entry["managed"]["cache"]) == 8, case
+
+
+def _entry(report, **match):
+    found = [e for _, e in _cases(report, **match)]
+    return found[0] if found else None
+
+
+def test_fsdp2_keep_quantized_params_train_as_with_resharding_where_stock_reads_a_stale_transpose(report):
+    """With ``reshard_after_forward=False`` FSDP2 keeps the gathered
+    quantized parameters, and stock GroupedLinear keeps the transpose its
+    backward derived on them: after an optimizer step the next backward
+    reads that stale copy (the worker finds it saved for backward, unequal
+    to the new data's transpose). The drop-in frees it after backward
+    (``Release.DERIVED_COLUMNWISE``), so its training equals the resharding
+    run's, which gathers afresh."""
+    checked = 0
+    for recipe in ("DelayedScaling", "Float8CurrentScaling"):
+        for mb in (False, True):
+            keep = _entry(report, recipe=recipe, sharding="fsdp2_keep", qinit=True, microbatches=mb, recompute=False,
+                          single=False)
+            reshard = _entry(report, recipe=recipe, sharding="fsdp2_reshard", qinit=True, microbatches=mb,
+                             recompute=False, single=False)
+            if keep is None or reshard is None:
+                continue
+            checked += 1
+            assert _same(keep["managed"], reshard["managed"]), (recipe, mb)
+            assert not any(got.get("stale_columnwise") for got in keep["managed"]["saved"]), (recipe, mb)
+            assert any(got.get("stale_columnwise") for got in keep["stock"]["saved"]), (recipe, mb, keep["stock"])
+    assert checked == 4

@@ -1,13 +1,14 @@
 """TransformerEngine's own PyTorch tests, stock against the drop-ins.
 
-    python3 -m tests.te_suite --tests-dir DIR --out OUT [--quick] [--files PATH ...] [-k EXPR]
+    python3 -m tests.te_suite --tests-dir DIR --out OUT [--quick | --grouped] [--files PATH ...] [-k EXPR]
 
 ``DIR`` is a folder of TE's ``tests/pytorch`` files (TE's, not part of this
 repository). Each selected file runs twice, each time in its own pytest
 process on a fresh copy of ``DIR``: once on stock TE, once with
-``te.Linear``, ``te.LayerNormLinear`` and ``te.LayerNormMLP`` replaced by
-``te_integration``'s drop-ins (``tests.te_suite.plugin`` swaps them
-before any test module is imported). The FSDP2 suite runs under torchrun on
+``te.Linear``, ``te.LayerNormLinear``, ``te.LayerNormMLP`` and
+``te.GroupedLinear`` replaced by ``te_integration``'s drop-ins
+(``tests.te_suite.plugin`` swaps them before any test module is imported;
+``--swap`` names fewer). The FSDP2 suite runs under torchrun on
 the GPUs present (at most 2). The per-test outcomes, read from JUnit XML, are
 compared; ``OUT/summary.md`` and ``OUT/comparison.json`` say what differs,
 what did not complete, and why tests were skipped.
@@ -21,7 +22,6 @@ time budget) or the swap is not proven. Needs CUDA and TE to mean anything;
 from __future__ import annotations
 
 import argparse
-import enum
 import hashlib
 import json
 import os
@@ -52,8 +52,9 @@ from .report import (
     render_summary,
     write_outcomes,
 )
+from .selection import FULL, GROUPED, QUICK, Entry, Launcher, entries_for
 
-__all__ = ["Launcher", "Entry", "FULL", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
+__all__ = ["Launcher", "Entry", "FULL", "GROUPED", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
            "pytest_command", "collect_run"]
 
 PLUGIN = "tests.te_suite.plugin"
@@ -67,52 +68,6 @@ MIN_START_S = 20.0
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-class Launcher(enum.Enum):
-    PYTEST = "pytest"
-    TORCHRUN = "torchrun"  # one pytest per rank: the FSDP2 suite
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A test file or folder of TE's suite (relative to ``--tests-dir``) and its ``-k`` selection."""
-
-    path: str
-    select: str = ""
-    launcher: Launcher = Launcher.PYTEST
-
-
-_LARGE = "(linear or mlp) and not grouped"
-_FSDP2 = "fsdp2/run_fsdp2_mem_leak.py"
-
-#: The default run: large files cut to the three swapped modules, as TE's
-#: own results for this comparison were taken; the rest whole.
-FULL: tuple[Entry, ...] = (
-    Entry("test_sanity.py", _LARGE),
-    Entry("test_numerics.py", f"{_LARGE} and not delay_wgrad"),
-    Entry("test_cuda_graphs.py"),
-    Entry("test_deferred_init.py"),
-    Entry("test_backward_override.py"),
-    Entry("test_torch_compile.py"),
-    Entry("test_distributed_weight.py"),
-    Entry("test_custom_recipe.py"),
-    Entry("test_hybrid_quantization.py"),
-    Entry("layernorm_mlp"),
-    Entry(_FSDP2, launcher=Launcher.TORCHRUN),
-)
-
-#: ``--quick``: about 570 tests (counted from the files' parametrizations
-#: for an sm_90 GPU; many skip there), with the LayerNormMLP recompute and
-#: weight-caching cases; the small files first, test_numerics last.
-QUICK: tuple[Entry, ...] = (
-    Entry("test_deferred_init.py"),  # 17
-    Entry("layernorm_mlp"),  # 16
-    Entry("test_backward_override.py", "not grouped and (save_original_input or recipe_matches or memory_peak)"),  # 42
-    Entry("test_cuda_graphs.py", "fp8_weight_caching and not grouped"),  # 324
-    Entry(_FSDP2, launcher=Launcher.TORCHRUN),  # 30
-    Entry("test_numerics.py", "(linear or mlp_accuracy_checkpoint) and not grouped and not delay_wgrad"),  # 138
-)
-
-
 @dataclass(frozen=True)
 class Plan:
     """What one invocation runs."""
@@ -124,6 +79,7 @@ class Plan:
     budget_s: float | None
     nproc: int | None  # torchrun ranks; None: the GPUs present, at most 2
     dropins: str
+    swap: str | None = None  # names the drop-in variant swaps; None: the plugin's default, all
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder holding TE's tests/pytorch files (test_sanity.py, ..., fsdp2/)")
     p.add_argument("--out", type=Path, required=True, metavar="OUT",
                    help="folder for summary.md, comparison.json and the logs")
-    p.add_argument("--quick", action="store_true", help="the smaller selection (QUICK in this module)")
+    tables = p.add_mutually_exclusive_group()
+    tables.add_argument("--quick", action="store_true",
+                        help="the smaller selection (QUICK in tests/te_suite/selection.py)")
+    tables.add_argument("--grouped", action="store_true",
+                        help="the GroupedLinear tests (GROUPED in tests/te_suite/selection.py): "
+                             "test_grouped_linear.py, test_sanity.py -k grouped, and two more files' grouped cases")
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="run only these (relative to DIR); a file of the table keeps its -k selection")
     p.add_argument("-k", dest="select", default=None, metavar="EXPR",
@@ -144,26 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop starting files after this long; what is left is reported as not run")
     p.add_argument("--nproc", type=int, default=None, help="ranks for the FSDP2 suite (default: GPUs present, max 2)")
     p.add_argument("--dropins", default="te_integration",
-                   help="module whose Linear, LayerNormLinear and LayerNormMLP replace TE's (default te_integration)")
+                   help="module whose Linear, LayerNormLinear, LayerNormMLP and GroupedLinear replace TE's "
+                        "(default te_integration)")
+    p.add_argument("--swap", default=None, metavar="NAMES",
+                   help="comma-separated names the drop-in runs swap, from Linear, LayerNormLinear, LayerNormMLP, "
+                        "GroupedLinear (default: all four)")
     p.add_argument("--dry-run", action="store_true", help="print the pytest commands and run nothing")
     return p
-
-
-def _entries(args: argparse.Namespace) -> tuple[Entry, ...]:
-    table = QUICK if args.quick else FULL
-    if args.files:
-        known = {e.path: e for e in (*FULL, *table)}  # the chosen table's selection wins
-        picked = [known.get(path.rstrip("/")) or Entry(path.rstrip("/"), launcher=_launcher_for(path))
-                  for path in args.files]
-    else:
-        picked = list(table)
-    if args.select is not None:
-        picked = [Entry(e.path, args.select, e.launcher) for e in picked]
-    return tuple(picked)
-
-
-def _launcher_for(path: str) -> Launcher:
-    return Launcher.TORCHRUN if Path(path).parts[:1] == ("fsdp2",) else Launcher.PYTEST
 
 
 def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
@@ -172,7 +120,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not tests_dir.is_dir():
         parser.error(f"--tests-dir {tests_dir}: no such folder. Give the folder that holds TE's "
                      "tests/pytorch files (test_sanity.py, test_numerics.py, ..., fsdp2/).")
-    entries = _entries(args)
+    entries = entries_for(args)
     outside = [e.path for e in entries if Path(e.path).is_absolute() or ".." in Path(e.path).parts]
     if outside:
         parser.error(f"--files must be paths inside --tests-dir, relative to it: {', '.join(outside)}")
@@ -183,16 +131,24 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--timeout and --max-minutes must be positive")
     if args.nproc is not None and args.nproc < 1:
         parser.error(f"--nproc must be >= 1; received {args.nproc}")
+    if args.swap is not None:
+        from .plugin import SwapError, swap_names
+
+        try:
+            swap_names(args.swap)
+        except SwapError as err:
+            parser.error(str(err))
     budget = args.max_minutes * 60.0 if args.max_minutes is not None else None
     # absolute: each pytest runs from its copy of the tests and writes here
     return Plan(tests_dir.resolve(), entries, args.out.expanduser().resolve(), args.timeout, budget, args.nproc,
-                args.dropins)
+                args.dropins, args.swap)
 
 
 # -- one pytest process ------------------------------------------------------------
 def pytest_command(entry: Entry, variant: Variant, run_dir: Path, copy: Path, dropins: str,
-                   nproc: int = 1) -> list[str]:
-    """The command for ``entry`` under ``variant``, run from ``copy``."""
+                   nproc: int = 1, swap: str | None = None) -> list[str]:
+    """The command for ``entry`` under ``variant``, run from ``copy``; ``swap``:
+    the names the drop-in variant swaps (None: the plugin's default, all)."""
     launch = [sys.executable]
     if entry.launcher is Launcher.TORCHRUN:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -203,6 +159,8 @@ def pytest_command(entry: Entry, variant: Variant, run_dir: Path, copy: Path, dr
            "--rootdir", str(copy), "-c", str(copy / "pytest.ini"),
            "-p", "no:cacheprovider", "-p", "no:randomly", "--continue-on-collection-errors",
            "-q", "--tb=short", "-rfE"]
+    if swap is not None:
+        cmd += ["--te-suite-swap", swap]
     return cmd + (["-k", entry.select] if entry.select else [])
 
 
@@ -402,7 +360,7 @@ def _run_variant(plan: Plan, index: int, entry: Entry, variant: Variant, copy: P
     run_dir = plan.out / "runs" / _slug(index, entry) / variant.value
     shutil.rmtree(run_dir, ignore_errors=True)  # JUnit files of an earlier run must not be read as this one's
     run_dir.mkdir(parents=True)
-    cmd = pytest_command(entry, variant, run_dir, copy, plan.dropins, ranks)
+    cmd = pytest_command(entry, variant, run_dir, copy, plan.dropins, ranks, plan.swap)
     rc, seconds, timed_out = run_process(cmd, copy, run_dir / "pytest.log", timeout)
     return collect_run(entry, variant, run_dir, rc, seconds, timed_out,
                        ranks if entry.launcher is Launcher.TORCHRUN else 1)
@@ -462,7 +420,7 @@ def _meta(plan: Plan, argv: Sequence[str], comparison: Comparison) -> dict:
     return {"command": redacted_command(argv), "environment": env, "tests_fingerprint": fingerprint(plan.tests_dir),
             "entries": [{"path": e.path, "select": e.select, "launcher": e.launcher.value} for e in plan.entries],
             "timeout_s": plan.timeout_s, "max_minutes": None if plan.budget_s is None else plan.budget_s / 60,
-            "dropins": plan.dropins}
+            "dropins": plan.dropins, "swap": plan.swap or "all"}
 
 
 def write_outputs(plan: Plan, comparison: Comparison, meta: dict) -> str:
@@ -480,7 +438,7 @@ def _dry_run(plan: Plan) -> None:
     for i, entry in enumerate(plan.entries):
         for variant in Variant:
             run_dir = plan.out / "runs" / _slug(i, entry) / variant.value
-            print(shlex.join(pytest_command(entry, variant, run_dir, copy, plan.dropins, ranks)))
+            print(shlex.join(pytest_command(entry, variant, run_dir, copy, plan.dropins, ranks, plan.swap)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,13 +1,16 @@
 """pytest plugin for ``tests.te_suite``: runs TE's own tests with the
-drop-ins in place of ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``.
+drop-ins in place of ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and
+``GroupedLinear``.
 
 Loaded with ``-p tests.te_suite.plugin --te-suite-variant stock|dropin
 --te-suite-record DIR``. In ``pytest_configure``, before any test module is
-imported, the ``dropin`` variant rebinds the three names wherever TE exports
+imported, the ``dropin`` variant rebinds the names wherever TE exports
 them (:data:`NAMESPACES`) to the classes of ``--te-suite-dropins`` (default
-``te_integration``). TE's own module files (``module/linear.py`` ...) keep
-their classes: the drop-ins subclass them. The ``stock`` variant checks that
-the names are TE's own classes and changes nothing.
+``te_integration``); ``--te-suite-swap`` names which (default all four).
+TE's own module files (``module/linear.py`` ...) keep their classes: the
+drop-ins subclass them. The ``stock`` variant checks that all four names are
+TE's own classes and changes nothing. ``te.ops.GroupedLinear``, a fusible
+operation and another class, is not touched.
 
 Either way it fails the run loudly when the check does not hold, also after
 collection (a test module that bound a stock class would run stock TE), and
@@ -31,15 +34,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["NAMESPACES", "CLASS_HOMES", "Rebinding", "SwapError", "rebind", "check_bound", "check_test_modules"]
+__all__ = ["NAMESPACES", "CLASS_HOMES", "Rebinding", "SwapError", "rebind", "check_bound", "check_test_modules",
+           "swap_names"]
 
 _PT = "transformer_engine.pytorch"
-#: Where TE 2.20 binds the three public names that its users and its own
-#: composite modules (MultiheadAttention, TransformerLayer) look up.
+#: Where TE 2.20 binds the public names that its users and its own composite
+#: modules (MultiheadAttention, TransformerLayer) look up (GroupedLinear: the
+#: first two only).
 NAMESPACES = (_PT, f"{_PT}.module", f"{_PT}.transformer", f"{_PT}.attention.multi_head_attention")
 #: The module each stock class is defined in.
 CLASS_HOMES = {"Linear": f"{_PT}.module.linear", "LayerNormLinear": f"{_PT}.module.layernorm_linear",
-               "LayerNormMLP": f"{_PT}.module.layernorm_mlp"}
+               "LayerNormMLP": f"{_PT}.module.layernorm_mlp", "GroupedLinear": f"{_PT}.module.grouped_linear"}
 
 
 class SwapError(RuntimeError):
@@ -141,7 +146,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="stock: check TE's classes are its own; dropin: put the drop-ins in their place")
     group.addoption("--te-suite-record", default=None, help="folder for the record of what was done")
     group.addoption("--te-suite-dropins", default="te_integration",
-                    help="module whose Linear, LayerNormLinear and LayerNormMLP replace TE's")
+                    help="module whose Linear, LayerNormLinear, LayerNormMLP and GroupedLinear replace TE's")
+    group.addoption("--te-suite-swap", default=",".join(CLASS_HOMES),
+                    help=f"comma-separated names the dropin variant swaps (default: {','.join(CLASS_HOMES)})")
 
 
 def _count_constructions(state: _Session, cls: type, name: str) -> None:
@@ -157,7 +164,16 @@ def _count_constructions(state: _Session, cls: type, name: str) -> None:
     cls.__init__ = counted
 
 
-def _configure(state: _Session) -> None:
+def swap_names(text: str) -> tuple[str, ...]:
+    """The names ``--te-suite-swap`` gives, in :data:`CLASS_HOMES` order; SwapError for an unknown one."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CLASS_HOMES]
+    if unknown or not names:
+        raise SwapError(f"--te-suite-swap {text!r}: choose from {', '.join(CLASS_HOMES)}")
+    return tuple(n for n in CLASS_HOMES if n in names)
+
+
+def _configure(state: _Session, swap: tuple[str, ...]) -> None:
     import transformer_engine
 
     state.namespaces = {name: importlib.import_module(name) for name in NAMESPACES}
@@ -167,11 +183,14 @@ def _configure(state: _Session) -> None:
         check_bound(state.namespaces, stock)
         state.expected = stock
         return
+    state.record["swap"] = list(swap)
     provider = importlib.import_module(state.dropins_module)
-    dropins = {name: getattr(provider, name) for name in CLASS_HOMES}
-    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, stock, dropins)]
-    check_bound(state.namespaces, dropins)
-    state.expected, state.forbidden = dropins, stock
+    dropins = {name: getattr(provider, name) for name in swap}
+    swapped = {name: stock[name] for name in swap}
+    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, swapped, dropins)]
+    state.expected = {**stock, **dropins}  # the names left out stay TE's own
+    check_bound(state.namespaces, state.expected)
+    state.forbidden = swapped
     for name, cls in dropins.items():
         _count_constructions(state, cls, name)
 
@@ -194,7 +213,7 @@ def pytest_configure(config: pytest.Config) -> None:
         path = Path(xmlpath)
         config.option.xmlpath = str(path.with_name(f"{path.stem}{state.suffix}{path.suffix}"))
     try:
-        _configure(state)
+        _configure(state, swap_names(config.getoption("te_suite_swap")))
     except (SwapError, ImportError, AttributeError) as err:
         state.record["error"] = f"{type(err).__name__}: {err}"
         state.write()

@@ -198,6 +198,9 @@ def _swap_problem(run: Run) -> str | None:
         return f"{run.group}: the swap failed: {record['error']}"
     if not record.get("rebound"):
         return f"{run.group}: the drop-in run's record shows no name rebound"
+    missing = sorted(set(record.get("swap") or []) - {r["name"] for r in record["rebound"]})
+    if missing:
+        return f"{run.group}: the drop-in run's record shows {', '.join(missing)} not rebound"
     return None
 
 
@@ -264,8 +267,9 @@ def reasons(comparison: Comparison) -> list[dict[str, Any]]:
 _MEANING = (
     "**Identical** means: every selected test ran under both variants, in separate pytest processes "
     "on the same machine, and ended with the same outcome (passed, failed, error, skipped, xfailed or "
-    "xpassed); no test ran under one variant only; and the drop-in run's record shows TE's `Linear`, "
-    "`LayerNormLinear` and `LayerNormMLP` rebound to the drop-ins before any test module was imported, "
+    "xpassed); no test ran under one variant only; and the drop-in run's record shows every name it "
+    "swaps (TE's `Linear`, `LayerNormLinear`, `LayerNormMLP` and `GroupedLinear` unless `--swap` names "
+    "fewer) rebound to the drop-ins before any test module was imported, "
     "and no collected test module holding a stock class. A failure that stock shares is not a "
     "difference: it is TE's own result on this machine.")
 _OUTCOME_COLUMNS = tuple(o.value for o in Outcome)

@@ -2,7 +2,9 @@
 its summary, the selection and the argument errors, the plugin's swap, and
 whole runs of the harness over a tiny TE stand-in written to disk (no TE,
 no CUDA): a drop-in that changes one test's outcome, a test that hangs past
-the timeout, and drop-ins that cannot replace TE's classes."""
+the timeout, and drop-ins that cannot replace TE's classes. The
+GroupedLinear swap and its selections are in ``test_te_suite_grouped.py``,
+over the same stand-in."""
 
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def _plan(argv: list[str]) -> harness.Plan:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tests-dir", "{missing}"], "no such folder"),
-    (["--tests-dir", "{dir}"], "lacks test_cuda_graphs.py"),  # the full table, on a folder with two files
+    (["--tests-dir", "{dir}"], "lacks test_grouped_linear.py, test_cuda_graphs.py"),  # the full table, two files
     (["--tests-dir", "{dir}", "--files", "../test_x.py"], "paths inside --tests-dir"),
     (["--tests-dir", "{dir}", "--files", "test_sanity.py", "--nproc", "0"], "--nproc must be >= 1"),
     (["--tests-dir", "{dir}", "--files", "test_sanity.py", "--max-minutes", "0"], "must be positive"),
@@ -350,14 +352,25 @@ def test_a_test_module_that_bound_the_stock_class_is_caught():
 _FAKE = {
     "transformer_engine/__init__.py": "__version__ = '2.20.0'\n",
     "transformer_engine/pytorch/__init__.py": """
-        from transformer_engine.pytorch.module import Linear, LayerNormLinear, LayerNormMLP
-        from transformer_engine.pytorch import transformer
+        from transformer_engine.pytorch.module import Linear, LayerNormLinear, LayerNormMLP, GroupedLinear
+        from transformer_engine.pytorch import transformer, ops
         from transformer_engine.pytorch.attention import multi_head_attention
     """,
     "transformer_engine/pytorch/module/__init__.py": """
         from .linear import Linear
         from .layernorm_linear import LayerNormLinear
         from .layernorm_mlp import LayerNormMLP
+        from .grouped_linear import GroupedLinear
+    """,
+    "transformer_engine/pytorch/module/grouped_linear.py": """
+        class GroupedLinear:
+            kind = "stock"
+            def __init__(self, num_gemms=1):
+                self.num_gemms = num_gemms
+    """,
+    "transformer_engine/pytorch/ops/__init__.py": """
+        class GroupedLinear:  # the fusible operation: another class, never swapped
+            kind = "op"
     """,
     "transformer_engine/pytorch/module/linear.py": """
         class Linear:
@@ -372,8 +385,10 @@ _FAKE = {
     "transformer_engine/pytorch/attention/multi_head_attention.py":
         "from transformer_engine.pytorch.module import LayerNormLinear, Linear\n",
     "fake_dropins.py": """
-        from transformer_engine.pytorch.module import layernorm_linear, layernorm_mlp, linear
+        from transformer_engine.pytorch.module import grouped_linear, layernorm_linear, layernorm_mlp, linear
         class Linear(linear.Linear):
+            kind = "dropin"
+        class GroupedLinear(grouped_linear.GroupedLinear):
             kind = "dropin"
         class LayerNormLinear(layernorm_linear.LayerNormLinear):
             pass
@@ -383,7 +398,7 @@ _FAKE = {
     "bad_dropins.py": """
         class Linear:
             pass
-        LayerNormLinear = LayerNormMLP = Linear
+        LayerNormLinear = LayerNormMLP = GroupedLinear = Linear
     """,
 }
 _TESTS = {
@@ -449,14 +464,15 @@ def test_a_run_finds_the_test_whose_outcome_the_drop_in_changes(standin, tmp_pat
         (pt, "Linear"), (f"{pt}.module", "Linear"), (f"{pt}.attention.multi_head_attention", "Linear"),
         (pt, "LayerNormLinear"), (f"{pt}.module", "LayerNormLinear"),
         (f"{pt}.attention.multi_head_attention", "LayerNormLinear"),
-        (pt, "LayerNormMLP"), (f"{pt}.module", "LayerNormMLP"), (f"{pt}.transformer", "LayerNormMLP")}
+        (pt, "LayerNormMLP"), (f"{pt}.module", "LayerNormMLP"), (f"{pt}.transformer", "LayerNormMLP"),
+        (pt, "GroupedLinear"), (f"{pt}.module", "GroupedLinear")}
     assert dropin["record"]["test_modules"] == {"checked": 1, "bound": {"Linear": 1}}
     assert dropin["record"]["constructed"] == {"Linear": 2}
     assert data["skip_reasons"][0]["reason"] == "needs sm_100"
     assert "**Verdict: DIFFERENT**" in (tmp_path / "out" / "summary.md").read_text()
     assert str(standin[1]) not in (tmp_path / "out" / "summary.md").read_text()
     log = (tmp_path / "out" / "runs" / "00-test_alpha" / "dropin" / "pytest.log").read_text()
-    assert "te_suite dropin: 9 names rebound to fake_dropins's classes" in log
+    assert "te_suite dropin: 11 names rebound to fake_dropins's classes" in log
 
 
 def test_a_hanging_test_times_out_and_the_rest_still_counts(standin, tmp_path):
