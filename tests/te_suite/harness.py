@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ class Plan:
     nproc: int | None  # torchrun ranks; None: the GPUs present, at most 2
     dropins: str
     swap: str | None = None  # names the drop-in variant swaps; None: the plugin's default, all
+    #: Run each file's two variants at the same time (correctness suites on
+    #: one GPU with room for both; not for timings).
+    parallel: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap", default=None, metavar="NAMES",
                    help="comma-separated names the drop-in runs swap, from Linear, LayerNormLinear, LayerNormMLP, "
                         "GroupedLinear (default: all four)")
+    p.add_argument("--parallel", action="store_true",
+                   help="run each file's stock and drop-in processes at the same time (pass/fail suites only)")
     p.add_argument("--dry-run", action="store_true", help="print the pytest commands and run nothing")
     return p
 
@@ -141,7 +147,7 @@ def plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     budget = args.max_minutes * 60.0 if args.max_minutes is not None else None
     # absolute: each pytest runs from its copy of the tests and writes here
     return Plan(tests_dir.resolve(), entries, args.out.expanduser().resolve(), args.timeout, budget, args.nproc,
-                args.dropins, args.swap)
+                args.dropins, args.swap, args.parallel)
 
 
 # -- one pytest process ------------------------------------------------------------
@@ -342,7 +348,15 @@ def _not_run(entry: Entry, variant: Variant, why: str) -> Run:
 
 def run_entry(plan: Plan, index: int, entry: Entry, copies: dict[Variant, Path], ranks: int,
               clock: _Clock) -> tuple[Run, Run]:
-    """Stock, then drop-in: one pytest process each."""
+    """Stock, then drop-in: one pytest process each (both at once with ``plan.parallel``)."""
+    if plan.parallel:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(_run_variant, plan, index, entry, variant, copies[variant], ranks,
+                                   clock.allowance(plan.timeout_s, 1.0)) for variant in (Variant.STOCK, Variant.DROPIN)]
+            runs = [future.result() for future in futures]
+        for run in runs:
+            print(f"[{index + 1}/{len(plan.entries)}] {_progress_line(run)}", flush=True)
+        return runs[0], runs[1]
     runs = []
     for variant, share in ((Variant.STOCK, 0.5), (Variant.DROPIN, 1.0)):
         timeout = clock.allowance(plan.timeout_s, share)
