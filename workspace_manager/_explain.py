@@ -455,9 +455,15 @@ def _summary_lines(policy: str, width: int) -> list[str]:
         return []
     lines = _wrap(summary.construct, width, _INDENT, _INDENT * 3, sep=", ")
     pad = max(len(label) for label, _ in summary.lines()) + 2
-    for label, text in summary.lines():
+    for label, text in (*summary.lines(), ("modules", MODULE_KINDS)):
         lines += _wrap(text, width, _INDENT + f"{label}:".ljust(pad), _INDENT + " " * pad)
     return lines
+
+
+#: Which TE modules the plans apply to. A plan depends on the call, not on
+#: the module kind; the one place kinds differ is a module's own recompute.
+MODULE_KINDS = ("Linear, LayerNormLinear, LayerNormMLP and GroupedLinear alike (a GroupedLinear call: one "
+                "plan for all its experts); recompute(own) rows: LayerNormMLP(checkpoint=True) only")
 
 
 def _legend_terms(blocks: list[SettingBlock], profiles: Iterable[str], capabilities: bool) -> dict[str, str]:

@@ -65,12 +65,15 @@ def _digest(tensors) -> str:
 
 
 def _slot_kind(t, block, params: set, cached: set) -> str | None:
-    """What one saved tensor is, as far as the experts' weights go."""
+    """What one saved tensor is, as far as the experts' weights go: a cache
+    entry, a quantized parameter (``qparam``, or ``quantized``: FSDP2's
+    gathered copy of one), a fresh workspace's rowwise or columnwise data,
+    or a high-precision weight (``param``, or ``hp``: FSDP2's unsharded copy)."""
     import transformer_engine.pytorch as te
 
     out_f, in_f = block.out_features, block.in_features
     if isinstance(t, te.QuantizedTensor):
-        return "cached" if id(t) in cached else ("param" if id(t) in params else "quantized")
+        return "cached" if id(t) in cached else ("qparam" if id(t) in params else "quantized")
     shape = tuple(t.shape)
     if t.dtype == torch.uint8 and shape == (out_f, in_f):
         return "row"
@@ -103,7 +106,7 @@ def _saved_kinds(grad_fn, block) -> dict:
         kind = None if t is None else _slot_kind(t, block, params, cached)
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
-        if kind in ("param", "quantized") and _stale_columnwise(t):
+        if kind in ("qparam", "quantized") and _stale_columnwise(t):
             counts["stale_columnwise"] = counts.get("stale_columnwise", 0) + 1
     return counts
 

@@ -80,19 +80,20 @@ def test_fsdp2_bit_exact_against_the_same_experts_as_te_linear(report):
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
 def test_fsdp2_exact_requantization_also_equals_stock(report, recipe):
     """Formats that quantize again exactly give stock GroupedLinear's bits
-    although nothing was saved (docs/decisions.md, D12)."""
+    although nothing was saved (docs/decisions.md, "GroupedLinear: the dense
+    modules' plans, for every expert")."""
     cases = [(c, e) for c, e in _cases(report, recipe=recipe, qinit=False) if c["sharding"] != "none"]
     bad = [c for c, e in cases if not _same(e["stock"], e["managed"])]
     assert cases and not bad, bad
 
 
-def _kinds(got: dict, qinit: bool) -> dict:
+def _kinds(got: dict) -> dict:
     """The saved tensors by what they are: ``hp`` (a high-precision weight,
     the registered parameter or FSDP2's unsharded copy), ``qparam`` (a
     quantized parameter, as registered or gathered), ``col``/``row`` (a fresh
     workspace's data), ``cached`` (a cache entry)."""
-    names = {"hp": "hp", "col": "col", "row": "row", "cached": "cached", "quantized": "qparam",
-             "param": "qparam" if qinit else "hp"}
+    names = {"hp": "hp", "param": "hp", "col": "col", "row": "row", "cached": "cached", "qparam": "qparam",
+             "quantized": "qparam"}
     merged: dict = {}
     for kind, count in got.items():
         if kind in names:
@@ -117,7 +118,7 @@ def test_what_backward_is_handed_matches_the_plan(report):
         assert len(entry["managed"]["saved"]) == 2, case
         for block, got in enumerate(entry["managed"]["saved"]):
             checked += 1
-            if _kinds(got, case["qinit"]) != want:
+            if _kinds(got) != want:
                 bad.append((case, block, got, want))
     assert checked >= 48 and not bad, "\n".join(map(str, bad))
 

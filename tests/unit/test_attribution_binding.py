@@ -40,6 +40,7 @@ def attribution(monkeypatch):
         "TELinear": _TELinear,
         "TELayerNormLinear": type("_TELayerNormLinear", (torch.nn.Module,), {}),
         "TELayerNormMLP": type("_TELayerNormMLP", (torch.nn.Module,), {}),
+        "TEGroupedLinear": type("_TEGroupedLinear", (torch.nn.Module,), {}),
     }
     loaded = load_binding(monkeypatch, compat, "_attribution", "_state", "_levers")
     loaded["_attribution"].state_module = loaded["_state"]

@@ -220,3 +220,18 @@ def test_without_input_grad_nothing_is_rebuilt_and_numerics_match(ti):
         out.square().sum().backward()
     for a, b in zip(stock.parameters(), managed.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_each_expert_s_copy_is_attributed_under_its_own_key(ti):
+    """record_workspaces and workspace_report name each expert's workspace
+    by TE's key (weight0 ...), with the call's one plan behind it."""
+    _, managed = _pair(ti, (False, False))
+    model = torch.nn.Sequential(managed)
+    with ti.attribution.record_workspaces(model, timeline=False):
+        out = managed(_inputs(0)[1], SPLITS, is_first_microbatch=True)
+        report = ti.attribution.workspace_report(model)
+        out.sum().backward()
+    weights = sorted({e.record.weight for e in report.entries})
+    assert weights == [f"weight{i}" for i in range(EXPERTS)], report.entries
+    plan = ti.modules.last_plans(managed)["weight"][1]
+    assert all(e.record.decision == plan.summary() and e.nbytes > 0 for e in report.entries), report.entries

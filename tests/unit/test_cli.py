@@ -233,7 +233,7 @@ def test_each_policy_opens_with_its_constructor_and_summary(capsys):
         construct = " ".join(l.strip() for l in summary[:at])
         assert eval(construct, vars(workspace_manager)) == named_policy(policy), policy
         assert [l.split(":")[0].strip() for l in summary[at:] if not l.startswith("    ")] == [
-            "for", "keeps", "trade-off"]
+            "for", "keeps", "trade-off", "modules"]
     assert "option, off by default (docs/decisions.md, D4)" in " ".join(blocks["fsdp2_microbatch_cache"][0])
 
 
