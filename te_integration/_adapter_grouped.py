@@ -33,7 +33,16 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from workspace_manager import BackwardSource, CacheAction, RecomputePass, RecomputeScope, Sharding, Usage
+from workspace_manager import (
+    BackwardSource,
+    CacheAction,
+    ColumnwiseSource,
+    RecomputePass,
+    RecomputeScope,
+    Sharding,
+    UnsupportedPlanError,
+    Usage,
+)
 
 from . import _compat as te
 from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
@@ -74,11 +83,24 @@ def _begin(ctx, args: tuple):
         recompute=recompute_pass() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else _NO_RECOMPUTE,
         scope=_REGION,
     )
+    if nta[_SINGLE] and levers.plan.columnwise_source is ColumnwiseSource.DERIVED:
+        _refuse_derived(levers)
     # Every tensor TE quantizes in this call is one of its experts.
     record.weights, record.experts = (GATHERED_WEIGHT, levers), experts
     # A distributed weight's slots are TE's own (it saves None and gathers again).
     record.saves_weights = levers.saves_no_workspace and not distributed
     return record, args
+
+
+def _refuse_derived(levers) -> None:
+    """One grouped weight has no columnwise data TE's backward could derive:
+    ``GroupedTensorStorage`` has no ``update_usage``, and the grouped-tensor
+    backward derives only for quantized storages."""
+    raise UnsupportedPlanError(
+        "TE 2.20 cannot carry out the plan for the grouped weight of a GroupedLinear(single_grouped_weight=True): "
+        "columnwise_source=derived, but TE's grouped-tensor backward derives no columnwise data for a grouped "
+        f"weight; build it in forward (forward_usage=rowwise+columnwise) or requantize. Plan: {levers.plan.summary()}. "
+        f"Context: {levers.context}.")
 
 
 def _edit_ctx(ctx, record, args: tuple) -> None:
@@ -125,9 +147,13 @@ class _Rebuild:
         if weight is None:
             return None
         quantizer = self.quantizers[0]
+        # A non-reentrant checkpoint hands backward a detached alias, which
+        # may be a plain tensor over the grouped weight's data.
+        data = getattr(weight, "rowwise_data", None)
+        source = data.view(weight.logical_shape) if data is not None else weight
         quantizer.set_usage(rowwise=self.rowwise, columnwise=self.columnwise)
         try:
-            return te.tex.group_quantize(weight.rowwise_data.view(weight.logical_shape), quantizer, count, None)
+            return te.tex.group_quantize(source, quantizer, count, None)
         finally:
             quantizer.set_usage(rowwise=True, columnwise=True)
 
@@ -177,11 +203,15 @@ def managed_prepare_weights(weights, weight_quantizers, weight_workspaces, **kwa
         return _TE_PREPARE_WEIGHTS(weights, weight_quantizers, weight_workspaces, **kwargs)
     levers = record.weights[1]
     kwargs["columnwise_usage"] = levers.forward_columnwise
+    # TE's own cache logic: a given entry is refreshed only on a first
+    # microbatch, a new one is returned to be stored when cache_weight is set.
     action = levers.cache
     if action is CacheAction.BYPASS:
         weight_workspaces, kwargs["cache_weight"] = [None], False
-    elif action is CacheAction.READ_ONLY:
-        kwargs["cache_weight"] = False
+    elif action is CacheAction.FILL:  # quantized afresh into a new entry, whatever the call's position
+        weight_workspaces, kwargs["cache_weight"] = [None], True
+    elif action is CacheAction.READ_ONLY:  # an entry read as it is; a miss not stored
+        kwargs["cache_weight"], kwargs["is_first_microbatch"] = False, False
     grouped, new_workspaces = _TE_PREPARE_WEIGHTS(weights, weight_quantizers, weight_workspaces, **kwargs)
     fresh = grouped is not weights[0] and grouped is not (weight_workspaces[0] if weight_workspaces else None)
     if levers.saves_columnwise_only and fresh:  # D11, as the quantize_weight seam does for discrete weights
