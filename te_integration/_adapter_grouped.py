@@ -139,7 +139,7 @@ class _Rebuild:
 
     def _quantized(self, weights: list) -> list:
         rowwise, columnwise = self.rowwise, self.columnwise
-        return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise)
+        return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise, False)
                 for weight, quantizer in zip(weights, self.quantizers)]
 
     def _quantized_grouped(self, weight, count: int):

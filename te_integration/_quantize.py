@@ -74,8 +74,8 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         if parts:
             if record.rowwise_parts is None:
                 record.rowwise_parts = parts
-            else:  # one list per call, also for many experts
-                record.rowwise_parts.extend(parts)
+            else:  # one list per call, also for many experts (+= calls nothing)
+                record.rowwise_parts += parts
     if _LEDGER.enabled:
         _attribution.forward_workspace(record.module, key or expert_key(record, tensor), levers.plan, out,
                                        from_cache=hit)

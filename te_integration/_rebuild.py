@@ -44,11 +44,13 @@ class RebuildQuantizer:
         return getattr(self.quantizer, name)
 
 
-def quantize_with_usage(quantizer: Any, tensor: Any, rowwise: bool, columnwise: bool) -> Any:
-    """``quantizer(tensor)`` holding only the usages named, the quantizer
-    left with both usages (as TE's rebuilds leave it). A format whose
-    kernels cannot build the narrow usage directly (it raises
-    ``NotImplementedError``) builds both, then drops the rest at once."""
+def quantize_with_usage(quantizer: Any, tensor: Any, rowwise: bool, columnwise: bool, restore: bool = True) -> Any:
+    """``quantizer(tensor)`` holding only the usages named; with ``restore``
+    the quantizer is left with both usages (as TE's rebuilds leave it;
+    GroupedLinear's forward sets its quantizers' usages before each use, so
+    its rebuild skips that). A format whose kernels cannot build the narrow
+    usage directly (it raises ``NotImplementedError``) builds both, then
+    drops the rest at once."""
     if type(quantizer) not in RebuildQuantizer.builds_both:
         quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
         try:
@@ -56,7 +58,8 @@ def quantize_with_usage(quantizer: Any, tensor: Any, rowwise: bool, columnwise: 
         except NotImplementedError:
             RebuildQuantizer.builds_both.add(type(quantizer))
         finally:
-            quantizer.set_usage(rowwise=True, columnwise=True)
+            if restore:
+                quantizer.set_usage(rowwise=True, columnwise=True)
     quantizer.set_usage(rowwise=True, columnwise=True)
     out = quantizer(tensor)
     out.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)

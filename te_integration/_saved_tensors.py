@@ -61,6 +61,16 @@ def save_columnwise_only(ctx, parts: list) -> None:
     if len(parts) == 1:  # per-tensor FP8: its data only (list comprehensions are inlined: no calls)
         part = parts[0]
         ctx.to_save = tuple([None if t is part else t for t in saved])
-    else:
+        return
+    # Several parts (block formats, GroupedLinear's experts): TE saves them
+    # in the order they were made, so one walk finds them, with no call per
+    # tensor; parts found out of that order are looked up by identity.
+    result, found, count = list(saved), 0, len(parts)
+    for i in range(len(result)):
+        if found < count and result[i] is parts[found]:
+            result[i] = None
+            found += 1
+    if found < count:
         drop = {id(t) for t in parts}
-        ctx.to_save = tuple([None if t is not None and id(t) in drop else t for t in saved])
+        result = [None if t is not None and id(t) in drop else t for t in result]
+    ctx.to_save = tuple(result)

@@ -53,3 +53,48 @@ def test_a_new_call_shape_is_planned_once_then_costs_the_same(ti):
     assert state.shapes_planned() == before + 2
     assert not any(name == "plan_call" for _, name in again)
     assert not any(name == "plan_call" for _, name in first)
+
+
+def _grouped_extra(ti, experts: int, sharding) -> tuple[float, dict]:
+    """Calls a drop-in GroupedLinear call (forward and backward) adds over stock's."""
+    import _fake_te_grouped as grouped
+    from workspace_manager.testing.plans import FixedSharding
+
+    splits = [2] * experts
+    x = torch.randn(sum(splits), 8, requires_grad=True)
+    stock = grouped.TEGroupedLinear(experts, 8, 8, seed=1)
+    managed = ti.modules.convert_model(grouped.TEGroupedLinear(experts, 8, 8, seed=1))
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR,
+                                                                  probe=FixedSharding(sharding))
+    managed(x, splits).sum().backward()
+    ti.install.uninstall()
+    stock_calls = count_calls(lambda: stock(x, splits).sum().backward())
+    managed_calls = count_calls(lambda: managed(x, splits).sum().backward())
+    ti.install.install()
+    # The stand-in's own code is TE's work (the quantization FSDP2's rebuild
+    # runs is its price, in TE's kernels); what is counted is the binding's.
+    added = {key: n for key, n in (managed_calls - stock_calls).items() if "_fake_te" not in key[0]}
+    return sum(added.values()), added
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp2_reshard"])
+def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti, sharding):
+    """One plan per call: a GroupedLinear call adds about the dense budget,
+    plus, inside TE's own loop over the experts, the quantize_weight seam's
+    frame (unsharded, nothing else) and, under FSDP2, the backward rebuild's
+    frame around the quantization it runs (the quantizer's own calls, TE's
+    work, are not counted: they are the price FSDP2 pays)."""
+    from workspace_manager import Sharding
+
+    sharding = Sharding(sharding)
+    few, few_where = _grouped_extra(ti, 2, sharding)
+    many, many_where = _grouped_extra(ti, 8, sharding)
+    ours = {key: many_where.get(key, 0) - few_where.get(key, 0) for key in many_where if "te_integration" in key[0]}
+    per_expert = sum(ours.values()) / 6
+    # Over the dense budget: the saving pair's frames; under FSDP2 the
+    # rebuild's objects and frames, and the stand-in quantizer's builtins.
+    assert 0 < few <= BUDGET + (24 if sharding.is_fsdp2 else 8), (few, few_where)
+    # Our frames per expert: the quantize_weight seam; under FSDP2 also the rebuild.
+    assert per_expert <= (2 if sharding.is_fsdp2 else 1), f"{per_expert} of our calls per expert: {ours}"
+    if not sharding.is_fsdp2:
+        assert (many - few) / 6 <= 1, f"{(many - few) / 6} calls per expert: {many_where}"
