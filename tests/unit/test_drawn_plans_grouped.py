@@ -14,23 +14,20 @@ backward reads (only that for a fresh one, D11), or a cache entry.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import _fake_te
 import _fake_te_grouped as grouped
 from _fake_te import load_full_binding
 from test_binding_grouped import EXPERTS, IN, LAYOUTS, OUT, SPLITS, _saved_weight_parts, _weight_slots
+from test_drawn_plans import _HYPOTHESIS, _assert_refusal_names_the_plan
 from workspace_manager import BackwardSource, CacheAction, ColumnwiseSource, PolicyMismatchError, Sharding, Usage
 from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding
-
-PLAN_FIELDS = ("cache", "forward_usage", "backward_source", "backward_usage", "columnwise_source", "release",
-               "parameter_keeps")
 
 
 @dataclass(frozen=True)
@@ -128,20 +125,9 @@ def _check_saved(ti, module, out, setting: Setting, where: str) -> list[str]:
     return [f"{where}: {problem}" for slot in slots if (problem := _slot_problem(slot, plan)) is not None]
 
 
-def _assert_refusal_names_the_plan(err: PolicyMismatchError) -> None:
-    text = str(err)
-    assert any(name in text for name in PLAN_FIELDS), f"the refusal names no plan field: {text}"
-    assert "context" in text.lower(), f"the refusal names no context: {text}"
-
-
 @pytest.fixture
 def ti(monkeypatch):
     return load_full_binding(monkeypatch)
-
-
-_EXAMPLES = int(os.environ.get("TE_WM_DRAWN_PLAN_EXAMPLES", "30"))
-_HYPOTHESIS = settings(max_examples=_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                       suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @_HYPOTHESIS
