@@ -513,3 +513,30 @@ def test_under_torchrun_each_rank_writes_its_own_files(standin, tmp_path, monkey
     run = harness.collect_run(entry, Variant.DROPIN, run_dir, rc, seconds, timed_out, ranks=1)
     assert run.status is RunStatus.COMPLETED and run.record["rank"] == "0" and run.record["exitstatus"] == 1
     assert run.results["test_alpha::test_kind"].outcome is F
+
+
+def test_parallel_gives_the_sequential_comparison(standin, tmp_path):
+    result, data = _harness(standin, tmp_path / "out", "--files", "test_alpha.py", "--dropins", "fake_dropins",
+                            "--parallel")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [(d["test"], d["stock"]["outcome"], d["dropin"]["outcome"]) for d in data["differences"]] == [
+        ("test_alpha::test_kind", "passed", "failed")]
+
+
+def test_parallel_starts_the_drop_in_run_before_the_stock_run_ends(monkeypatch, tmp_path):
+    """Each variant waits for the other to have started: run one after the
+    other, the barrier times out and the test fails."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=10)
+
+    def run_variant(plan, index, entry, variant, copy, ranks, timeout):
+        barrier.wait()
+        return harness._not_run(entry, variant, "stand-in")
+
+    monkeypatch.setattr(harness, "_run_variant", run_variant)
+    entry = harness.Entry("test_alpha.py")
+    plan = harness.Plan(tmp_path, (entry,), tmp_path / "out", 60.0, None, None, "x", parallel=True)
+    stock, dropin = harness.run_entry(plan, 0, entry, {v: tmp_path for v in harness.Variant}, 0,
+                                      harness._Clock(None))
+    assert (stock.variant, dropin.variant) == (harness.Variant.STOCK, harness.Variant.DROPIN)
