@@ -21,6 +21,7 @@ from ._modules import (
     workspace_state,
 )
 from ._construction import managed_construction
+from ._modules_ops import OpsBasicLinear, OpsLinear
 from ._levers import Levers
 from ._state import ModuleWorkspaceState
 from ._foreign_patches import ForeignPatchError
@@ -35,6 +36,8 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "OpsBasicLinear",
+    "OpsLinear",
     "convert_model",
     "managed_construction",
     "set_workspace_policy",

@@ -57,6 +57,8 @@ class ModuleKind(enum.Enum):
     LINEAR = "linear"
     LAYERNORM_LINEAR = "layernorm_linear"
     LAYERNORM_MLP = "layernorm_mlp"
+    #: ``te.ops.BasicLinear`` (also inside ``te.ops.Linear`` and the fused ops built on it).
+    OPS_BASIC_LINEAR = "ops_basic_linear"
 
 
 #: Instance-dependent capabilities -> a small int for memo keys (see

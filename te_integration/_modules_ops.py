@@ -1,0 +1,85 @@
+"""Drop-in ``te.ops`` operations: ``OpsBasicLinear`` and ``OpsLinear``.
+
+``OpsBasicLinear`` is TE's ``te.ops.BasicLinear`` with one mixin in front;
+its plans are carried out by the te.ops seams (``_adapter_ops``), which find
+it among the ops of each fuser call. The mixin holds no workspace logic:
+it installs the seams before the op's first fuser call (TE calls every op's
+``pre_fuser_forward`` before looking up the fuser's autograd Function), and
+keeps sharded quantized parameters trimmed to their plan as the modules'
+mixin does. It adds no parameter, buffer or submodule, so ``state_dict`` is
+TE's. Being a subclass, it fuses as TE's op does (the fusion rules test
+``isinstance(op, BasicLinear)``).
+
+``OpsLinear`` is ``te.ops.Linear`` built with an ``OpsBasicLinear`` inside.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from workspace_manager import WorkspacePolicy
+
+from . import _compat_ops as te_ops
+from . import _install
+from ._shards import trim_sharded_parameters
+from ._state import ModuleKind, ModuleWorkspaceState, state_of
+
+__all__ = ["OpsBasicLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
+
+
+class ManagedOp:
+    """Mixin placed before a te.ops basic operation class (see the module docstring)."""
+
+    _wm_kind: ClassVar[ModuleKind]
+    _wm_state: ModuleWorkspaceState | None = None
+    _wm_installed: bool = False
+
+    def pre_fuser_forward(self, *, requires_grad: bool) -> None:
+        if not self._wm_installed or not _install.INSTALLED:
+            _install.install()
+            state_of(self)
+            self.__dict__["_wm_installed"] = True
+        super().pre_fuser_forward(requires_grad=requires_grad)
+
+    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
+        super().reset_parameters(*args, **kwargs)
+        if getattr(self, "weight", None) is not None:  # TE's constructor calls it before the weight exists
+            trim_sharded_parameters(self)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        trim_sharded_parameters(self)
+
+    @property
+    def workspace_policy(self) -> WorkspacePolicy | None:
+        state = self._wm_state
+        return state.policy if state is not None else None
+
+    @workspace_policy.setter
+    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
+        state_of(self).policy = policy
+
+
+class OpsBasicLinear(ManagedOp, te_ops.BasicLinear):
+    """``te.ops.BasicLinear`` whose weight workspace follows a :class:`WorkspacePolicy`,
+    alone, inside ``te.ops.Linear`` and in every fused op built on it."""
+
+    _wm_kind = ModuleKind.OPS_BASIC_LINEAR
+
+
+class OpsLinear(te_ops.OpsLinear):
+    """``te.ops.Linear`` (same constructor) whose ``BasicLinear`` is an :class:`OpsBasicLinear`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for op in self.basic_ops:
+            if type(op) is te_ops.BasicLinear:
+                op.__class__ = OpsBasicLinear
+
+
+#: TE's op class -> its drop-in (what ``convert_model`` swaps).
+OPS_DROP_INS: dict[type, type] = {te_ops.BasicLinear: OpsBasicLinear}
+#: ``(TE module, name, drop-in)`` that ``managed_construction`` rebinds: the
+#: name ``te.ops.Linear`` builds its op from, and the public ``te.ops.BasicLinear``.
+OPS_CONSTRUCTION = ((te_ops.ops_linear_module, "BasicLinear", OpsBasicLinear),
+                    (te_ops.ops_package, "BasicLinear", OpsBasicLinear))

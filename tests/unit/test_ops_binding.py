@@ -1,0 +1,200 @@
+"""te.ops.BasicLinear under the policy (CPU, the te.ops stand-in ``_fake_te_ops``).
+
+What each plan keeps for backward is read from the fuser's autograd ctx
+(what ``prepare_for_saving`` split into it), and what backward rebuilds
+from the stand-in's rebuild log; numerics are compared with a stock twin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import _fake_te
+import _fake_te_ops as ops
+from _fake_te import load_full_binding
+from workspace_manager import PolicyMismatchError, Sharding, Usage
+from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding
+
+IN, OUT, TOKENS = 8, 6, 4
+
+
+@pytest.fixture
+def ti(monkeypatch):
+    binding = load_full_binding(monkeypatch)
+    ops.REBUILT.clear()
+    ops.FORWARD.clear()
+    monkeypatch.setitem(ops._STATE, "fuse", True)
+    monkeypatch.setitem(ops._STATE, "override", None)
+    return binding
+
+
+def _sharded(ti, op, sharding: Sharding, policy=None) -> None:
+    op.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.OPS_BASIC_LINEAR, policy,
+                                                             probe=FixedSharding(sharding, is_fsdp2=False))
+
+
+def _step(model, seed: int = 0):
+    x = torch.randn(TOKENS, IN, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+    out = model(x)
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None] if out.grad_fn is not None else []
+    objects = getattr(out.grad_fn, "tensor_objects", [])
+    out.square().sum().backward()
+    return out, x.grad, [p.grad.clone() for p in model.parameters()], saved, objects
+
+
+def _workspaces(objects) -> list:
+    return [o for o in objects if isinstance(o, _fake_te.Workspace)]
+
+
+def _model(kind: str, seed: int = 3):
+    if kind == "alone":
+        return ops.BasicLinear(IN, OUT, seed=seed)
+    return ops.Sequential(ops.Linear(IN, OUT, seed=seed), ops.Linear(OUT, IN, bias=False, seed=seed + 1))
+
+
+def _linears(model) -> list:
+    return [m for m in model.modules() if isinstance(m, ops.BasicLinear)]
+
+
+@pytest.mark.parametrize("kind", ["alone", "sequential"])
+@pytest.mark.parametrize("sharding", [Sharding.NONE, Sharding.FSDP2_RESHARD])
+def test_default_plans_are_carried_out_and_match_stock(ti, kind, sharding):
+    stock, managed = _model(kind), _model(kind)
+    ti.modules.convert_model(managed)
+    assert all(type(op).__name__ == "OpsBasicLinear" for op in _linears(managed))
+    for op in _linears(managed):
+        _sharded(ti, op, sharding)
+    want, got = _step(stock), _step(managed)
+    for a, b in zip(want[:3], got[:3]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else torch.equal(a, b)
+    stock_ws, managed_ws = _workspaces(want[4]), _workspaces(got[4])
+    assert len(stock_ws) == len(_linears(stock))  # stock te.ops saves a workspace per linear
+    if sharding is Sharding.NONE:  # the columnwise copy only, as TE's own
+        assert len(managed_ws) == len(_linears(managed))
+        assert all(w._transpose is not None and w._data is None for w in managed_ws) and not ops.REBUILT
+    else:  # nothing saved but the weight; backward quantizes columnwise only
+        assert managed_ws == []
+        assert all(any(t is op.weight for t in got[3]) for op in _linears(managed))
+        assert ops.REBUILT == [{"rowwise": False, "columnwise": True}] * len(_linears(managed))
+        assert ops.FORWARD[-len(_linears(managed)):] == [{"rowwise": True, "columnwise": False}] * len(
+            _linears(managed))
+    for op in _linears(managed):
+        (context, plan), = ti.modules.last_plans(op).values()
+        assert context.sharding is sharding
+        assert plan.backward_usage is Usage.COLUMNWISE
+
+
+def test_fusion_is_kept_after_conversion(ti, monkeypatch):
+    fused = []
+    original = ops.ForwardLinearBias.fuser_forward
+    monkeypatch.setattr(ops.ForwardLinearBias, "fuser_forward",
+                        lambda self, *a: fused.append(type(self.linear).__name__) or original(self, *a))
+    managed = _model("sequential")
+    ti.modules.convert_model(managed)
+    _step(managed)
+    assert fused == ["OpsBasicLinear"]
+
+
+def test_stock_ops_run_te_unchanged_next_to_drop_ins(ti):
+    stock, managed = _model("sequential"), _model("sequential")
+    ti.modules.convert_model(managed, module_filter=lambda m, fqn: fqn.startswith("ops.0"))
+    kinds = [type(op).__name__ for op in _linears(managed)]
+    assert kinds == ["OpsBasicLinear", "BasicLinear"]
+    assert ti.modules.last_plans(_linears(managed)[1]) == {}
+    _sharded(ti, _linears(managed)[0], Sharding.FSDP2_RESHARD)
+    want, got = _step(stock), _step(managed)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert len(_workspaces(got[4])) == 1  # the stock op's
+
+
+def test_managed_construction_builds_drop_in_ops(ti, monkeypatch):
+    import sys
+
+    compat = sys.modules["te_integration._compat"]
+    for module, name in ((compat.mha_module, "Linear"), (compat.mha_module, "LayerNormLinear"),
+                         (compat.transformer_module, "LayerNormMLP")):
+        monkeypatch.setattr(module, name, None, raising=False)  # the stand-in's composite modules build none
+    with ti.construction.managed_construction():
+        inside = ops.Linear(IN, OUT)
+    outside = ops.Linear(IN, OUT)
+    assert type(inside.basic_ops[0]).__name__ == "OpsBasicLinear"
+    assert type(outside.basic_ops[0]) is ops.BasicLinear
+
+
+def test_a_plan_te_ops_cannot_carry_out_is_refused_by_name(ti):
+    def keep_both(ctx, candidates):
+        for plan in candidates:
+            if plan.backward_source.value == "saved_workspace" and plan.forward_usage is Usage.ROWWISE:
+                return plan
+        return candidates[0]
+
+    managed = _model("alone")
+    ti.modules.convert_model(managed)
+    _sharded(ti, managed, Sharding.NONE, DrawnPlanPolicy(chooser=keep_both))
+    with pytest.raises(PolicyMismatchError) as err:
+        _step(managed)
+    text = str(err.value)
+    assert "te.ops.BasicLinear" in text and "forward_usage=rowwise" in text and "Context" in text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), sharding=st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP]),
+       override=st.sampled_from([None, "high_precision", "dequantized"]), fuse=st.booleans())
+def test_any_drawn_plan_runs_as_planned_or_is_refused_by_name(ti, data, sharding, override, fuse):
+    ops._STATE["override"], ops._STATE["fuse"] = override, fuse
+    ops.REBUILT.clear()
+    ops.FORWARD.clear()
+    ops.DEQUANTIZED.clear()
+    policy = DrawnPlanPolicy(chooser=lambda ctx, candidates: data.draw(st.sampled_from(list(candidates))))
+    stock, managed = _model("sequential"), _model("sequential")
+    ti.modules.convert_model(managed)
+    for op in _linears(managed):
+        _sharded(ti, op, sharding, policy)
+    try:
+        got = _step(managed)
+    except PolicyMismatchError as err:
+        assert any(f in str(err) for f in ("cache", "forward_usage", "backward_source", "backward_usage",
+                                           "release", "parameter_keeps", "columnwise_source")), str(err)
+        return
+    forward, rebuilt_log, dequantized = list(ops.FORWARD), list(ops.REBUILT), list(ops.DEQUANTIZED)
+    want = _step(stock)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2]))
+    plans = [next(iter(ti.modules.last_plans(op).values()))[1] for op in _linears(managed)]
+    saved_ws = _workspaces(got[4])
+    expect_saved = [p for p in plans if p.backward_source.value == "saved_workspace"]
+    assert len(saved_ws) == len(expect_saved)
+    for ws, plan in zip(saved_ws, expect_saved):
+        usages = ws.get_usages()
+        assert usages["rowwise"] == (Usage.ROWWISE in plan.backward_usage)
+        assert usages["columnwise"] == (Usage.COLUMNWISE in plan.backward_usage)
+    assert forward == [_usages(p.forward_usage) for p in plans]
+    if override == "dequantized":  # dgrad dequantizes what the plan keeps or rebuilds, never the weight itself
+        assert dequantized == [_usages(p.backward_usage) for p in reversed(plans)]
+        assert rebuilt_log == []
+        return
+    rebuilt = [p for p in plans if p.backward_source.value == "requantize"]
+    assert len(rebuilt_log) == len(rebuilt)
+    for usages, plan in zip(rebuilt_log, reversed(rebuilt)):
+        assert usages == _usages(plan.backward_usage)
+
+
+def _usages(usage: Usage) -> dict:
+    return {"rowwise": Usage.ROWWISE in usage, "columnwise": Usage.COLUMNWISE in usage}
+
+
+@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+@pytest.mark.parametrize("sharding", [Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])
+def test_the_default_policies_are_never_refused_for_te_ops(ti, sharding, override):
+    ops._STATE["override"] = override
+    stock, managed = _model("sequential"), _model("sequential")
+    ti.modules.convert_model(managed)
+    for op in _linears(managed):
+        _sharded(ti, op, sharding)
+    got, want = _step(managed), _step(stock)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    with torch.no_grad():
+        assert torch.equal(stock(torch.ones(TOKENS, IN)), managed(torch.ones(TOKENS, IN)))
