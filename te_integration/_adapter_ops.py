@@ -42,16 +42,18 @@ from ._call import ACTIVE, CallRecord, recompute_pass
 from ._foreign_patches import SeamedName
 from ._plan_support import UnsupportedPlanError
 from ._plan_support_ops import ops_unsupported_reason
+from ._adapter_ops_grouped import grouped_backward_levers, grouped_unsupported_reason
 from ._rebuild import RebuildQuantizer
 from ._release import BackwardWork, run_backward
 from ._state import ModuleKind, state_of
 
-__all__ = ["OPS_KINDS", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names", "FUSER_SEAM"]
+__all__ = ["OPS_KINDS", "check_levers", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names", "FUSER_SEAM"]
 
 _LEDGER = _attribution.LEDGER
-_OPS_LINEAR = ModuleKind.OPS_BASIC_LINEAR
+_OPS_LINEAR, _OPS_GROUPED = ModuleKind.OPS_BASIC_LINEAR, ModuleKind.OPS_GROUPED_LINEAR
 #: The kinds whose records the fuser seam pushes.
-OPS_KINDS = frozenset({_OPS_LINEAR})
+OPS_KINDS = frozenset({_OPS_LINEAR, _OPS_GROUPED})
+_NAMES = {_OPS_LINEAR: "te.ops.BasicLinear", _OPS_GROUPED: "te.ops.GroupedLinear"}
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
 _TE_FORWARD = te_ops.BasicLinear.__dict__["_functional_forward"].__func__
 _TE_BACKWARD = te_ops.BasicLinear.__dict__["_functional_backward"].__func__
@@ -59,11 +61,19 @@ _TE_BACKWARD = te_ops.BasicLinear.__dict__["_functional_backward"].__func__
 _CHECKED: dict[int, object] = {}
 
 
-def _check(levers) -> None:
+def check_levers(levers, kind: ModuleKind = _OPS_LINEAR) -> None:
+    """Raise :class:`UnsupportedPlanError` if te.ops cannot carry ``levers`` out (once per levers)."""
+    if _CHECKED.get(id(levers)) is not levers:
+        _check(levers, kind)
+
+
+def _check(levers, kind: ModuleKind) -> None:
     reason = ops_unsupported_reason(levers.context, levers.plan)
+    if reason is None and kind is _OPS_GROUPED:
+        reason = grouped_unsupported_reason(levers)
     if reason is not None:
         raise UnsupportedPlanError(
-            f"TE 2.20's te.ops.BasicLinear cannot carry out the plan for {levers.key}: {reason}. Plan: "
+            f"TE 2.20's {_NAMES[kind]} cannot carry out the plan for {levers.key}: {reason}. Plan: "
             f"{levers.plan.summary()}. Context: {levers.context}. Change the policy so that it plans this "
             "context differently."
         )
@@ -83,7 +93,7 @@ def _record_for(weight) -> CallRecord | None:
     """The record of the op whose weight this is, among the fuser call's."""
     record = ACTIVE.record
     while record is not None and record.kind in OPS_KINDS:
-        if record.module.weight is weight:
+        if record.kind is _OPS_LINEAR and record.module.weight is weight:
             return record
         record = record.previous
     return None
@@ -113,7 +123,7 @@ class FunctionalForwardSeam:
             scope=_REGION,
         )
         if _CHECKED.get(id(levers)) is not levers:
-            _check(levers)
+            _check(levers, _OPS_LINEAR)
             if levers.rebuild_usage is None and _rebuilds_for_dequantized(levers):
                 _DEQUANTIZED_REBUILDS[id(levers)] = levers
         record.weights = (weight, levers)
@@ -172,8 +182,13 @@ def _edit_ctxs(func_ctx, opened: list) -> None:
     for index, record in opened:
         if not record.weights:
             continue  # TE handled the call itself
-        weight, levers = record.weights
         op_ctx = func_ctx.basic_op_ctxs[index]
+        if record.kind is _OPS_GROUPED:
+            grouped_backward_levers(op_ctx, record)
+            weights = record.weights
+            releases += [(weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases]
+            continue
+        weight, levers = record.weights
         quantizer = getattr(op_ctx, "weight_quantizer", None)
         if quantizer is not None and levers.rebuild_usage is not None:
             op_ctx.weight_quantizer = record.state.backward_quantizer(levers, quantizer)

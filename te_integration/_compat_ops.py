@@ -27,11 +27,12 @@ from __future__ import annotations
 from ._compat import VERSION, Seam, UnsupportedTEError, _resolve
 from ._te_source import structure_problems
 
-__all__ = ["SEAMS", "BasicLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction", "ops_linear_module",
+__all__ = ["SEAMS", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction", "ops_linear_module",
            "ops_package"]
 
 _OPS = "transformer_engine.pytorch.ops"
 _BL, _FUSER, _FUSED = f"{_OPS}.basic.basic_linear", f"{_OPS}.fuser", f"{_OPS}.fused"
+_GL = f"{_OPS}.basic.grouped_linear"
 _FUSED_FORWARDS = ("ForwardLinearBiasActivation", "ForwardLinearBiasAdd", "ForwardLinearScaleAdd")
 
 #: Every piece of ``te.ops`` the binding relies on. Seamed (``_install``):
@@ -48,6 +49,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_FUSER, "_OperationFuserAutogradFunction", "FuserFunction"),
     Seam(_FUSER, "_OperationFuserAutogradFunction.forward"), Seam(_FUSER, "_OperationFuserAutogradFunction.backward"),
     Seam(_FUSER, "OperationFuser.__call__"),
+    Seam(_OPS, "GroupedLinear", "GroupedLinear"), Seam(_GL, "GroupedLinear.fuser_forward"),
+    Seam(_GL, "GroupedLinear._fuser_forward_split_quantize"), Seam(_GL, "GroupedLinear._fuser_forward_grouped_tensor"),
+    Seam(_GL, "GroupedLinear.fuser_backward"), Seam(_GL, "GroupedLinear._fuser_backward_split_quantize"),
+    Seam(_GL, "GroupedLinear._fuser_backward_grouped_tensor"), Seam(_GL, "GroupedLinear._is_distributed_weight"),
+    Seam(_GL, "GroupedLinear.fuser_forward_save_ctx"),
 ) + tuple(Seam(_FUSED, f"{name}.fuser_forward", name) for name in _FUSED_FORWARDS)
 
 _found = _resolve(SEAMS)
@@ -58,6 +64,7 @@ BasicLinear = _found["BasicLinear"]
 OpsLinear = _found["OpsLinear"]
 Sequential = _found["Sequential"]
 FuserFunction = _found["FuserFunction"]
+GroupedLinear = _found["GroupedLinear"]
 _fused = [_found[name] for name in _FUSED_FORWARDS]
 del _found
 
@@ -74,6 +81,19 @@ _SENTINELS = {
     fuser_module.OperationFuser.__call__: ["_OperationFuserAutogradFunction.apply(",
                                            "_OperationFuserAutogradFunction.forward(None",
                                            "op.pre_fuser_forward(requires_grad="],
+    GroupedLinear.fuser_forward: ["input_requires_grad=input_requires_grad,", "weight_quantizers=weight_quantizers,"],
+    GroupedLinear._fuser_forward_split_quantize: ["columnwise_usage=input_requires_grad",
+                                                  "if not input_requires_grad or self._is_distributed_weight():",
+                                                  "saved.extend(ws)", "return out, tuple(saved)"],
+    GroupedLinear._fuser_forward_grouped_tensor: ["columnwise_usage=input_requires_grad",
+                                                  "if not input_requires_grad or self._is_distributed_weight():",
+                                                  "saved.extend(grouped_weights)", "return out, tuple(saved)"],
+    GroupedLinear._fuser_backward_split_quantize: ["ws, saved_tensors = saved_tensors[:num_groups], saved_tensors[num_groups:]",
+                                                   "saved_tensors = ctx.saved_tensors"],
+    GroupedLinear._fuser_backward_grouped_tensor: ["ws, saved_tensors = saved_tensors[:num_groups], saved_tensors[num_groups:]",
+                                                   "saved_tensors = ctx.saved_tensors"],
+    GroupedLinear.fuser_forward_save_ctx: ["ctx.weight_quantizers = weight_quantizers",
+                                           "ctx.input_requires_grad = requires_grad[0]"],
     **{cls.fuser_forward: ["BasicLinear._functional_forward(", "saved_weight = w",
                            "linear_op_ctx.weight_quantizer = weight_quantizer"] for cls in _fused},
 }

@@ -1,4 +1,4 @@
-"""Drop-in ``te.ops`` operations: ``OpsBasicLinear`` and ``OpsLinear``.
+"""Drop-in ``te.ops`` operations: ``OpsBasicLinear``, ``OpsGroupedLinear`` and ``OpsLinear``.
 
 ``OpsBasicLinear`` is TE's ``te.ops.BasicLinear`` with one mixin in front;
 its plans are carried out by the te.ops seams (``_adapter_ops``), which find
@@ -21,10 +21,12 @@ from workspace_manager import WorkspacePolicy
 
 from . import _compat_ops as te_ops
 from . import _install
+from ._adapter_ops import check_levers
+from ._adapter_ops_grouped import grouped_before_backward, grouped_forward
 from ._shards import trim_sharded_parameters
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
-__all__ = ["OpsBasicLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
+__all__ = ["OpsBasicLinear", "OpsGroupedLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
 
 
 class ManagedOp:
@@ -67,6 +69,27 @@ class OpsBasicLinear(ManagedOp, te_ops.BasicLinear):
     _wm_kind = ModuleKind.OPS_BASIC_LINEAR
 
 
+def _check_grouped(levers) -> None:
+    check_levers(levers, ModuleKind.OPS_GROUPED_LINEAR)
+
+
+class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
+    """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
+    (each group's weight planned under its own key; see ``_adapter_ops_grouped``)."""
+
+    _wm_kind = ModuleKind.OPS_GROUPED_LINEAR
+
+    def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs, _check_grouped)
+
+    def _fuser_forward_grouped_tensor(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs, _check_grouped)
+
+    def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
+        grouped_before_backward(basic_op_ctxs[0])
+        return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
+
+
 class OpsLinear(te_ops.OpsLinear):
     """``te.ops.Linear`` (same constructor) whose ``BasicLinear`` is an :class:`OpsBasicLinear`."""
 
@@ -78,8 +101,9 @@ class OpsLinear(te_ops.OpsLinear):
 
 
 #: TE's op class -> its drop-in (what ``convert_model`` swaps).
-OPS_DROP_INS: dict[type, type] = {te_ops.BasicLinear: OpsBasicLinear}
+OPS_DROP_INS: dict[type, type] = {te_ops.BasicLinear: OpsBasicLinear, te_ops.GroupedLinear: OpsGroupedLinear}
 #: ``(TE module, name, drop-in)`` that ``managed_construction`` rebinds: the
 #: name ``te.ops.Linear`` builds its op from, and the public ``te.ops.BasicLinear``.
 OPS_CONSTRUCTION = ((te_ops.ops_linear_module, "BasicLinear", OpsBasicLinear),
-                    (te_ops.ops_package, "BasicLinear", OpsBasicLinear))
+                    (te_ops.ops_package, "BasicLinear", OpsBasicLinear),
+                    (te_ops.ops_package, "GroupedLinear", OpsGroupedLinear))

@@ -59,6 +59,8 @@ class ModuleKind(enum.Enum):
     LAYERNORM_MLP = "layernorm_mlp"
     #: ``te.ops.BasicLinear`` (also inside ``te.ops.Linear`` and the fused ops built on it).
     OPS_BASIC_LINEAR = "ops_basic_linear"
+    #: ``te.ops.GroupedLinear`` (the basic op).
+    OPS_GROUPED_LINEAR = "ops_grouped_linear"
 
 
 #: Instance-dependent capabilities -> a small int for memo keys (see

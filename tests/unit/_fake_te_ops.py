@@ -154,6 +154,76 @@ class Bias(BasicOperation):
         return grad_output, grad_output.sum(0)
 
 
+class GroupedLinear(BasicOperation):
+    """``te.ops.GroupedLinear`` (discrete weights, equal splits): its two
+    forward paths take ``input_requires_grad`` (the weights' columnwise
+    usage, and whether they are saved: last of the saved tensors);
+    ``fuser_backward`` reads them from the context's ``saved_tensors``."""
+
+    single_grouped_weight = False
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, seed: int = 0) -> None:
+        super().__init__()
+        self.num_groups = num_groups
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(num_groups):
+            setattr(self, f"weight{i}", torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen)))
+        self.quantizers = [Float8CurrentScalingQuantizer() for _ in range(num_groups)]
+        self.grouped_tensor_path = False
+
+    def _is_distributed_weight(self) -> bool:
+        return False
+
+    def _path(self, *, input_, weight_quantizers, with_quantized_compute, input_requires_grad, weight_requires_grad):
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_groups)]
+        ws = []
+        for w, q in zip(weights, weight_quantizers):
+            if with_quantized_compute:
+                q.set_usage(rowwise=True, columnwise=input_requires_grad)
+                w = q(w)
+                FORWARD.append(w.get_usages())
+            ws.append(w)
+        xs = list(torch.chunk(input_, self.num_groups))
+        out = torch.cat([fake.general_gemm(w, x, layout="TN") for w, x in zip(ws, xs)])
+        if not input_requires_grad:
+            ws = [None] * self.num_groups
+        elif with_quantized_compute and not self.grouped_tensor_path:  # the grouped-tensor path saves both
+            for w in ws:
+                w.update_usage(rowwise_usage=False, columnwise_usage=True)
+        return out, tuple([None] * 5 + xs + ws)
+
+    def _fuser_forward_split_quantize(self, **kwargs):
+        return self._path(**kwargs)
+
+    def _fuser_forward_grouped_tensor(self, **kwargs):
+        return self._path(**kwargs)
+
+    def fuser_forward(self, basic_op_ctxs, input_, **unused):
+        ctx, fp8 = basic_op_ctxs[0], _STATE["fp8"]
+        path = self._fuser_forward_grouped_tensor if self.grouped_tensor_path else self._fuser_forward_split_quantize
+        out, saved = path(input_=input_, weight_quantizers=self.quantizers, with_quantized_compute=fp8,
+                          input_requires_grad=ctx.requires_grad, weight_requires_grad=ctx.requires_grad)
+        ctx.save_for_backward(*saved)
+        ctx.weight_quantizers, ctx.input_requires_grad, ctx.with_quantized_compute = self.quantizers, ctx.requires_grad, fp8
+        return out, [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, **unused):
+        ctx, n = basic_op_ctxs[0], self.num_groups
+        saved = ctx.saved_tensors
+        xs, ws = saved[5:5 + n], saved[5 + n:]
+        dys = torch.chunk(grad_output, n)
+        dx = torch.cat([fake.general_gemm(w, dy, layout="NN") if ctx.with_quantized_compute else dy @ w
+                        for w, dy in zip(ws, dys)])
+        return dx, [[dy.t() @ x for dy, x in zip(dys, xs)]], [()]
+
+    def op_forward(self, ctx, input_, **unused):
+        return self.fuser_forward([ctx], input_)[0]
+
+    def op_backward(self, ctx, grad_output):
+        dx, grads, _ = self.fuser_backward([ctx], grad_output, basic_op_grad_extra_outputs=[()])
+        return dx, grads[0]
+
+
 class ForwardLinearBias:
     """The fused linear + bias forward: TE's ``ForwardLinearBiasActivation`` shape."""
 
@@ -240,7 +310,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         for op, ctx in reversed(list(zip(func_ctx.basic_ops, func_ctx.basic_op_ctxs))):
             ctx.saved_tensors = saved[slice(*ctx._range)]
             dy, grads = op.op_backward(ctx, dy)
-            grads_by_op.append([grads] if grads is not None else [])
+            grads_by_op.append(list(grads) if isinstance(grads, list) else [grads])
         param_grads = [g for grads in reversed(grads_by_op) for g in grads]
         return (dy, None, None, None, *param_grads)
 
@@ -306,6 +376,8 @@ def compat_ops() -> dict[str, Any]:
     linear.BasicLinear = BasicLinear
     package = types.ModuleType("fake_te.ops")
     package.BasicLinear, package.Linear, package.Sequential = BasicLinear, Linear, Sequential
+    package.GroupedLinear = GroupedLinear
     _OPS_FILES.update(fuser=fuser, basic_linear=basic, linear=linear, package=package)
     return {"ops_package": package, "fuser_module": fuser, "ops_linear_module": linear, "BasicLinear": BasicLinear,
-            "OpsLinear": Linear, "Sequential": Sequential, "FuserFunction": _OperationFuserAutogradFunction}
+            "OpsLinear": Linear, "Sequential": Sequential, "FuserFunction": _OperationFuserAutogradFunction,
+            "GroupedLinear": GroupedLinear}
