@@ -1,23 +1,17 @@
-"""A CPU stand-in for TE 2.20's ``te.ops`` (BasicLinear, Bias, a fused
-linear + bias forward, the fuser and its autograd Function, Sequential and
-``te.ops.Linear``), in the shape the ops seams rely on, not TE's numerics.
-
-It follows ``ops/basic/basic_linear.py`` and ``ops/fuser.py`` where the
-weight's workspace is concerned:
-
-* ``BasicLinear._functional_forward`` (called through the class by the op's
-  ``op_forward`` and by the fused op) sets the weight quantizer's usages
-  (columnwise iff ``input_requires_grad and backward_override is None``),
-  quantizes a high-precision weight, runs the GEMM, and returns the
-  workspace with ``update_usage(rowwise_usage=False, columnwise_usage=True)``
-  for saving, None without ``input_requires_grad``.
-* The callers save what it returns and put the weight quantizer on the op's
-  context; ``_functional_backward`` quantizes a high-precision weight again
-  with it after ``set_usage(columnwise=True)``; dequantizes under an override.
-* ``OperationFuser.__call__`` calls each op's ``pre_fuser_forward`` and then
-  the fuser file's ``_OperationFuserAutogradFunction`` by name; its forward
-  runs the (fused) ops with one ``OperationContext`` per basic op, saves all
-  through ``prepare_for_saving`` and leaves ``func_ctx.basic_op_ctxs``.
+"""A CPU stand-in for TE 2.20's ``te.ops`` (BasicLinear, Bias, a fused linear
++ bias forward, the fuser and its autograd Function, Sequential,
+``te.ops.Linear``; GroupedLinear in ``_fake_te_ops_grouped``), in the shape
+the ops seams rely on, not TE's numerics. As in ``ops/basic/basic_linear.py``:
+``_functional_forward`` (called through the class by ``op_forward`` and the
+fused op) quantizes a high-precision weight with columnwise usage iff
+``input_requires_grad and backward_override is None`` and returns it for
+saving with its columnwise data only (None without ``input_requires_grad``);
+the callers save it and put the quantizer on the op's context;
+``_functional_backward`` quantizes a high-precision weight again after
+``set_usage(columnwise=True)``, or dequantizes under an override. As in
+``ops/fuser.py``: ``OperationFuser.__call__`` calls each op's
+``pre_fuser_forward``, then the fuser file's ``_OperationFuserAutogradFunction``
+by name, whose forward leaves ``func_ctx.basic_op_ctxs``.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ DEQUANTIZED: list = []
 
 
 class OperationContext:
-    to_save = None
-    saved_tensors = ()
+    to_save, saved_tensors = None, ()
 
     def save_for_backward(self, *tensors) -> None:
         self.to_save = tensors
@@ -53,10 +46,6 @@ class BasicOperation(torch.nn.Module):
 
     def params(self) -> list:
         return list(self.parameters(recurse=False))
-
-
-def _dequantized(w):
-    return w.dequantize() if isinstance(w, QuantizedTensorStorage) else w
 
 
 def _functional_forward(input, weight, *, bias=None, with_quantized_compute=False, backward_override=None,
@@ -92,7 +81,7 @@ def _functional_backward(grad_output, input, weight, *, with_quantized_compute, 
             dx = fake.general_gemm(w, grad_output, layout="NN")
         else:
             DEQUANTIZED.append(w.get_usages() if isinstance(w, QuantizedTensorStorage) else "high precision")
-            dx = grad_output @ _dequantized(w)
+            dx = grad_output @ (w.dequantize() if isinstance(w, QuantizedTensorStorage) else w)
     if weight_requires_grad:
         dw = grad_output.t() @ input
     return dx, dw
@@ -152,76 +141,6 @@ class Bias(BasicOperation):
 
     def op_backward(self, ctx, grad_output):
         return grad_output, grad_output.sum(0)
-
-
-class GroupedLinear(BasicOperation):
-    """``te.ops.GroupedLinear`` (discrete weights, equal splits): its two
-    forward paths take ``input_requires_grad`` (the weights' columnwise
-    usage, and whether they are saved: last of the saved tensors);
-    ``fuser_backward`` reads them from the context's ``saved_tensors``."""
-
-    single_grouped_weight = False
-
-    def __init__(self, num_groups: int, in_features: int, out_features: int, seed: int = 0) -> None:
-        super().__init__()
-        self.num_groups = num_groups
-        gen = torch.Generator().manual_seed(seed)
-        for i in range(num_groups):
-            setattr(self, f"weight{i}", torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen)))
-        self.quantizers = [Float8CurrentScalingQuantizer() for _ in range(num_groups)]
-        self.grouped_tensor_path = False
-
-    def _is_distributed_weight(self) -> bool:
-        return False
-
-    def _path(self, *, input_, weight_quantizers, with_quantized_compute, input_requires_grad, weight_requires_grad):
-        weights = [getattr(self, f"weight{i}") for i in range(self.num_groups)]
-        ws = []
-        for w, q in zip(weights, weight_quantizers):
-            if with_quantized_compute:
-                q.set_usage(rowwise=True, columnwise=input_requires_grad)
-                w = q(w)
-                FORWARD.append(w.get_usages())
-            ws.append(w)
-        xs = list(torch.chunk(input_, self.num_groups))
-        out = torch.cat([fake.general_gemm(w, x, layout="TN") for w, x in zip(ws, xs)])
-        if not input_requires_grad:
-            ws = [None] * self.num_groups
-        elif with_quantized_compute and not self.grouped_tensor_path:  # the grouped-tensor path saves both
-            for w in ws:
-                w.update_usage(rowwise_usage=False, columnwise_usage=True)
-        return out, tuple([None] * 5 + xs + ws)
-
-    def _fuser_forward_split_quantize(self, **kwargs):
-        return self._path(**kwargs)
-
-    def _fuser_forward_grouped_tensor(self, **kwargs):
-        return self._path(**kwargs)
-
-    def fuser_forward(self, basic_op_ctxs, input_, **unused):
-        ctx, fp8 = basic_op_ctxs[0], _STATE["fp8"]
-        path = self._fuser_forward_grouped_tensor if self.grouped_tensor_path else self._fuser_forward_split_quantize
-        out, saved = path(input_=input_, weight_quantizers=self.quantizers, with_quantized_compute=fp8,
-                          input_requires_grad=ctx.requires_grad, weight_requires_grad=ctx.requires_grad)
-        ctx.save_for_backward(*saved)
-        ctx.weight_quantizers, ctx.input_requires_grad, ctx.with_quantized_compute = self.quantizers, ctx.requires_grad, fp8
-        return out, [()]
-
-    def fuser_backward(self, basic_op_ctxs, grad_output, **unused):
-        ctx, n = basic_op_ctxs[0], self.num_groups
-        saved = ctx.saved_tensors
-        xs, ws = saved[5:5 + n], saved[5 + n:]
-        dys = torch.chunk(grad_output, n)
-        dx = torch.cat([fake.general_gemm(w, dy, layout="NN") if ctx.with_quantized_compute else dy @ w
-                        for w, dy in zip(ws, dys)])
-        return dx, [[dy.t() @ x for dy, x in zip(dys, xs)]], [()]
-
-    def op_forward(self, ctx, input_, **unused):
-        return self.fuser_forward([ctx], input_)[0]
-
-    def op_backward(self, ctx, grad_output):
-        dx, grads, _ = self.fuser_backward([ctx], grad_output, basic_op_grad_extra_outputs=[()])
-        return dx, grads[0]
 
 
 class ForwardLinearBias:
@@ -345,11 +264,7 @@ class Sequential(torch.nn.Module):
         return OperationFuser(list(self.ops))(x)
 
 
-def _basic_forward_alone(self, x):
-    return OperationFuser([self])(x)
-
-
-BasicOperation.forward = _basic_forward_alone
+BasicOperation.forward = lambda self, x: OperationFuser([self])(x)  # an op alone: a fuser of one
 
 
 def _home(obj: Any, module: str, qualname: str) -> Any:
@@ -376,6 +291,8 @@ def compat_ops() -> dict[str, Any]:
     linear.BasicLinear = BasicLinear
     package = types.ModuleType("fake_te.ops")
     package.BasicLinear, package.Linear, package.Sequential = BasicLinear, Linear, Sequential
+    from _fake_te_ops_grouped import GroupedLinear  # it imports this module
+
     package.GroupedLinear = GroupedLinear
     _OPS_FILES.update(fuser=fuser, basic_linear=basic, linear=linear, package=package)
     return {"ops_package": package, "fuser_module": fuser, "ops_linear_module": linear, "BasicLinear": BasicLinear,
