@@ -24,7 +24,7 @@ What the ops seams rely on (docs/te-integration.md, "te.ops"):
 
 from __future__ import annotations
 
-from ._compat import VERSION, Seam, UnsupportedTEError, _resolve
+from ._compat import VERSION, Seam, UnsupportedTEError, _resolve, missing_seams_message
 from ._te_source import structure_problems
 
 __all__ = ["SEAMS", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction", "ops_linear_module",
@@ -57,6 +57,9 @@ SEAMS: tuple[Seam, ...] = (
 ) + tuple(Seam(_FUSED, f"{name}.fuser_forward", name) for name in _FUSED_FORWARDS)
 
 _found = _resolve(SEAMS)
+if "__call__" not in vars(_found["fuser_module"].OperationFuser):  # found on ``type`` otherwise
+    raise UnsupportedTEError(missing_seams_message(VERSION, [(Seam(_FUSER, "OperationFuser.__call__"),
+                                                               "no attribute '__call__'")]))
 ops_package = _found["ops_package"]
 fuser_module = _found["fuser_module"]
 ops_linear_module = _found["ops_linear_module"]
@@ -65,7 +68,7 @@ OpsLinear = _found["OpsLinear"]
 Sequential = _found["Sequential"]
 FuserFunction = _found["FuserFunction"]
 GroupedLinear = _found["GroupedLinear"]
-_fused = [_found[name] for name in _FUSED_FORWARDS]
+_fused = [_found[name] for name in _FUSED_FORWARDS]  # their fuser_forward functions
 del _found
 
 #: Lines of TE's code the ops seams rely on.
@@ -94,8 +97,8 @@ _SENTINELS = {
                                                    "saved_tensors = ctx.saved_tensors"],
     GroupedLinear.fuser_forward_save_ctx: ["ctx.weight_quantizers = weight_quantizers",
                                            "ctx.input_requires_grad = requires_grad[0]"],
-    **{cls.fuser_forward: ["BasicLinear._functional_forward(", "saved_weight = w",
-                           "linear_op_ctx.weight_quantizer = weight_quantizer"] for cls in _fused},
+    **{fused_forward: ["BasicLinear._functional_forward(", "saved_weight = w",
+                           "linear_op_ctx.weight_quantizer = weight_quantizer"] for fused_forward in _fused},
 }
 
 _problems = structure_problems(_SENTINELS, (), ())
