@@ -198,3 +198,18 @@ def test_the_default_policies_are_never_refused_for_te_ops(ti, sharding, overrid
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     with torch.no_grad():
         assert torch.equal(stock(torch.ones(TOKENS, IN)), managed(torch.ones(TOKENS, IN)))
+
+
+def test_workspace_report_and_recording_cover_te_ops(ti):
+    managed = _model("sequential")
+    ti.modules.convert_model(managed)
+    x = torch.randn(TOKENS, IN).requires_grad_(True)
+    with ti.attribution.record_workspaces(managed) as recording:
+        out = managed(x)
+        during = recording.report()
+        out.sum().backward()
+    names = sorted({e.record.module for e in during.entries})
+    assert names == ["ops.0.basic_ops.0", "ops.1.basic_ops.0"], during.entries
+    assert all(e.record.kind.value == "saved for backward" and "saved_workspace(columnwise)" in e.record.decision
+               for e in during.entries)
+    assert ti.attribution.workspace_report(managed).entries == ()
