@@ -224,11 +224,13 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
     @staticmethod
     def backward(func_ctx, grad_output):
         saved = fake.restore_from_saved(func_ctx.tensor_objects, list(func_ctx.saved_tensors))
+        func_ctx.tensor_objects = None  # as TE's restore_from_func_ctx
         grads_by_op = []
         dy = grad_output
         for op, ctx in reversed(list(zip(func_ctx.basic_ops, func_ctx.basic_op_ctxs))):
             ctx.saved_tensors = saved[slice(*ctx._range)]
             dy, grads = op.op_backward(ctx, dy)
+            ctx.saved_tensors = None  # as TE's fuser after each op's backward
             grads_by_op.append(list(grads) if isinstance(grads, list) else [grads])
         param_grads = [g for grads in reversed(grads_by_op) for g in grads]
         return (dy, None, None, None, *param_grads)
