@@ -79,6 +79,8 @@ class Entry:
     path: str
     select: str = ""
     launcher: Launcher = Launcher.PYTEST
+    #: te.ops's BasicLinear and GroupedLinear are swapped too (``tests.te_suite.ops_swap``).
+    ops: bool = False
 
 
 _LARGE = "(linear or mlp) and not grouped"
@@ -113,6 +115,14 @@ QUICK: tuple[Entry, ...] = (
 )
 
 
+#: ``--ops``: TE's fusible-ops files with te.ops's BasicLinear and GroupedLinear swapped
+#: too; test_fusible_ops.py cut to the linear ops, as TE's own results for issue 28 were taken.
+OPS: tuple[Entry, ...] = (
+    Entry("test_fusible_ops.py", "basic_linear or test_linear or grouped_linear", ops=True),
+    Entry("test_grouped_mlp.py", ops=True),
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one invocation runs."""
@@ -134,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, metavar="OUT",
                    help="folder for summary.md, comparison.json and the logs")
     p.add_argument("--quick", action="store_true", help="the smaller selection (QUICK in this module)")
+    p.add_argument("--ops", action="store_true",
+                   help="TE's fusible-ops files, te.ops's linear ops swapped too (OPS in this module)")
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="run only these (relative to DIR); a file of the table keeps its -k selection")
     p.add_argument("-k", dest="select", default=None, metavar="EXPR",
@@ -150,15 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _entries(args: argparse.Namespace) -> tuple[Entry, ...]:
-    table = QUICK if args.quick else FULL
+    table = OPS if getattr(args, "ops", False) else QUICK if args.quick else FULL
     if args.files:
-        known = {e.path: e for e in (*FULL, *table)}  # the chosen table's selection wins
+        known = {e.path: e for e in (*OPS, *FULL, *table)}  # the chosen table's selection wins
         picked = [known.get(path.rstrip("/")) or Entry(path.rstrip("/"), launcher=_launcher_for(path))
                   for path in args.files]
     else:
         picked = list(table)
     if args.select is not None:
-        picked = [Entry(e.path, args.select, e.launcher) for e in picked]
+        picked = [Entry(e.path, args.select, e.launcher, e.ops) for e in picked]
     return tuple(picked)
 
 
@@ -202,7 +214,7 @@ def pytest_command(entry: Entry, variant: Variant, run_dir: Path, copy: Path, dr
            # the copy's own pytest.ini and folder, nothing of this repository's configuration
            "--rootdir", str(copy), "-c", str(copy / "pytest.ini"),
            "-p", "no:cacheprovider", "-p", "no:randomly", "--continue-on-collection-errors",
-           "-q", "--tb=short", "-rfE"]
+           "-q", "--tb=short", "-rfE"] + (["--te-suite-ops"] if entry.ops else [])
     return cmd + (["-k", entry.select] if entry.select else [])
 
 

@@ -124,6 +124,8 @@ class _Session:
         self.constructed: Counter = Counter()
         self.restore: list[tuple[type, object]] = []
         self.started = None
+        #: Whether te.ops's names are swapped (or checked) too (``--te-suite-ops``).
+        self.ops = False
 
     def write(self) -> None:
         if self.variant == "dropin":
@@ -142,6 +144,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--te-suite-record", default=None, help="folder for the record of what was done")
     group.addoption("--te-suite-dropins", default="te_integration",
                     help="module whose Linear, LayerNormLinear and LayerNormMLP replace TE's")
+    group.addoption("--te-suite-ops", action="store_true", default=False,
+                    help="also te.ops.BasicLinear and te.ops.GroupedLinear (tests.te_suite.ops_swap)")
 
 
 def _count_constructions(state: _Session, cls: type, name: str) -> None:
@@ -163,13 +167,21 @@ def _configure(state: _Session) -> None:
     state.namespaces = {name: importlib.import_module(name) for name in NAMESPACES}
     stock = {name: getattr(importlib.import_module(home), name) for name, home in CLASS_HOMES.items()}
     state.record["te_version"] = str(getattr(transformer_engine, "__version__", "unknown"))
+    if state.ops:
+        from .ops_swap import swap_ops
+
+        rebound, ops_classes = swap_ops(state.dropins_module if state.variant == "dropin" else None)
+        state.record["rebound"] += [asdict(r) for r in rebound]
+        if state.variant == "dropin":
+            for name, cls in ops_classes.items():
+                _count_constructions(state, cls, name)
     if state.variant == "stock":
         check_bound(state.namespaces, stock)
         state.expected = stock
         return
     provider = importlib.import_module(state.dropins_module)
     dropins = {name: getattr(provider, name) for name in CLASS_HOMES}
-    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, stock, dropins)]
+    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, stock, dropins)] + state.record["rebound"]
     check_bound(state.namespaces, dropins)
     state.expected, state.forbidden = dropins, stock
     for name, cls in dropins.items():
@@ -188,6 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not record:
         raise pytest.UsageError("--te-suite-variant needs --te-suite-record DIR")
     state = _Session(variant, Path(record), config.getoption("te_suite_dropins"))
+    state.ops = bool(config.getoption("te_suite_ops"))
     state.dir.mkdir(parents=True, exist_ok=True)
     xmlpath = config.option.xmlpath
     if xmlpath and state.suffix:
