@@ -17,6 +17,7 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``call_overhead`` | 1 GPU | host time a drop-in adds per module call (forward + backward), paired with a stock control; a profile of where it goes |
 | ``saved_workspace`` | 1 GPU, no FSDP | memory held from forward to backward, peak and paired step time: stock, drop-in (D11), ``LeanWorkspacePolicy``, bf16; bit-exact check; what one layer keeps for backward, tensor by tensor |
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
+| ``ops_memory`` | 1 or 2 GPUs, FSDP2 | te.ops (issue 28): the ``te.ops.Linear`` stack and a ``te.ops.Sequential`` MLP, stock/drop-in/bf16 and the ``te.Linear`` stack: per-block forward rise, peak, losses, step time with a stock control |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
 
