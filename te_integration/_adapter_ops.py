@@ -42,7 +42,7 @@ from ._call import ACTIVE, CallRecord, recompute_pass
 from ._foreign_patches import SeamedName
 from ._plan_support import UnsupportedPlanError
 from ._plan_support_ops import ops_unsupported_reason
-from ._adapter_ops_grouped import grouped_backward_levers, grouped_unsupported_reason
+from ._adapter_ops_grouped import grouped_backward_levers
 from ._rebuild import RebuildQuantizer
 from ._release import BackwardWork, run_backward
 from ._state import ModuleKind, state_of
@@ -69,8 +69,6 @@ def check_levers(levers, kind: ModuleKind = _OPS_LINEAR) -> None:
 
 def _check(levers, kind: ModuleKind) -> None:
     reason = ops_unsupported_reason(levers.context, levers.plan)
-    if reason is None and kind is _OPS_GROUPED:
-        reason = grouped_unsupported_reason(levers)
     if reason is not None:
         raise UnsupportedPlanError(
             f"TE 2.20's {_NAMES[kind]} cannot carry out the plan for {levers.key}: {reason}. Plan: "

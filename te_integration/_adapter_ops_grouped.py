@@ -21,8 +21,10 @@ overrides those methods and calls these functions:
 TE's grouped op ignores ``backward_override`` (it always runs a quantized
 backward), so its calls are planned without one. Calls TE handles by
 itself: no quantized compute, CUDA-graph capture, distributed weights
-(TE re-materializes them), and the fused grouped MLP (compute capability
-10.x only), which does not call these methods.
+(TE re-materializes them), a single grouped weight (``single_grouped_weight=True``:
+one ``GroupedTensor`` parameter, which only TE's grouped kernels quantize),
+and the fused grouped MLP (compute capability 10.x only), which does not
+call these methods.
 """
 
 from __future__ import annotations
@@ -33,18 +35,9 @@ from . import _compat as te
 from ._call import ACTIVE, recompute_pass
 from ._rebuild import RebuildQuantizer
 
-__all__ = ["grouped_forward", "grouped_before_backward", "grouped_backward_levers", "grouped_unsupported_reason"]
+__all__ = ["grouped_forward", "grouped_before_backward", "grouped_backward_levers"]
 
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
-
-
-def grouped_unsupported_reason(levers) -> str | None:
-    """The grouped op's own rule, beyond BasicLinear's (``_plan_support_ops``)."""
-    if levers.key == "weight" and levers.saves_no_workspace and not levers.is_quantized_param:
-        return (f"backward_source={levers.plan.backward_source.value} for a single grouped weight "
-                "(single_grouped_weight=True): backward would have to quantize the whole GroupedTensor again, "
-                "which TE 2.20's grouped op offers no lever for; use saved_workspace")
-    return None
 
 
 def _record_of(op):
@@ -55,8 +48,6 @@ def _record_of(op):
 
 
 def _weights(op) -> tuple[tuple[str, ...], list]:
-    if op.single_grouped_weight:
-        return ("weight",), [op.weight]
     keys = tuple(f"weight{i}" for i in range(op.num_groups))
     return keys, [getattr(op, key) for key in keys]
 
@@ -82,7 +73,8 @@ def _plan(op, record, kwargs, check) -> list:
 def grouped_forward(op, te_method, kwargs: dict, check):
     """Run one of TE's forward paths of ``op`` as its plan says."""
     record = _record_of(op) if kwargs.get("with_quantized_compute") else None
-    if record is None or te.graph_flags._IS_GRAPH_CAPTURING or op._is_distributed_weight():
+    if (record is None or te.graph_flags._IS_GRAPH_CAPTURING or op._is_distributed_weight()
+            or op.single_grouped_weight):
         return te_method(**kwargs)
     planned = _plan(op, record, kwargs, check)
     record.weights = tuple(item for pair in planned for item in pair)

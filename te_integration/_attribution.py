@@ -49,7 +49,7 @@ LEDGER = WorkspaceLedger(allocated=_allocated)
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The TE module whose forward is running (set by the recording's hooks).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("te_wm_observed_module", default=None)
-_TE_MODULES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP, te_ops.BasicLinear)
+_TE_MODULES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP, te_ops.BasicLinear, te_ops.GroupedLinear)
 
 
 def _name(module: Any) -> str:
