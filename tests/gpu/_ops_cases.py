@@ -38,7 +38,7 @@ def _form(name: str):
     if name == "linear_add":
         return ops.Sequential(ops.Linear(H, H, bias=True, **kw), ops.AddExtraInput(in_place=True))
     if name == "residual_linear":
-        return ops.Sequential(ops.MakeExtraOutput(), ops.Linear(H, H, bias=False, **kw))
+        return ops.Sequential(ops.MakeExtraOutput(in_place=True), ops.Linear(H, H, bias=False, **kw))
     if name == "mlp":
         return ops.Sequential(ops.LayerNorm(H, **kw), ops.Linear(H, 2 * H, bias=True, **kw), ops.GELU(),
                               ops.Linear(2 * H, H, bias=True, **kw))
@@ -124,6 +124,17 @@ def run(model, case: OpsCase, recipe, steps: int = 3, between=None) -> list:
             value = p.dequantize() if isinstance(p, QuantizedTensor) else p
             record.append((f"param:{name}", step, value.detach().clone()))
     return record
+
+
+def fused_forms(model) -> list:
+    """The TE classes of the (fused) ops each fuser of a ``te.ops.Sequential``
+    ran, forward and backward (empty for an op called alone, whose fuser is
+    transient): a drop-in must fuse as stock does."""
+    def te_class(op) -> str:
+        return next(c.__qualname__ for c in type(op).__mro__ if c.__module__.startswith("transformer_engine"))
+
+    return [([te_class(op) for op, _ in fuser._forward_ops], [te_class(op) for op, _ in fuser._backward_ops])
+            for fuser in (getattr(model, "_module_groups", None) or []) if hasattr(fuser, "_forward_ops")]
 
 
 def stock_or_skip(fn):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import RECIPES, make_recipe, recipe_skip_reason
-from _ops_cases import FORMS, OpsCase, build, differences, run, stock_or_skip
+from _ops_cases import FORMS, OpsCase, build, differences, fused_forms, run, stock_or_skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                                         "ignore::FutureWarning")]
@@ -48,8 +48,10 @@ def test_te_ops_drop_in_matches_stock_bit_for_bit(recipe_name, quantized_init, f
         pytest.skip(reason)
     recipe = make_recipe(recipe_name)
     case = OpsCase(recipe_name, form, quantized_init, sharding)
-    stock = stock_or_skip(lambda: run(build(case, recipe, managed=False), case, recipe))
-    managed = run(build(case, recipe, managed=True), case, recipe)
+    stock_model, managed_model = build(case, recipe, managed=False), build(case, recipe, managed=True)
+    stock = stock_or_skip(lambda: run(stock_model, case, recipe))
+    managed = run(managed_model, case, recipe)
+    assert fused_forms(managed_model) == fused_forms(stock_model), case.label
     requantized = sharding == "fsdp2" and not quantized_init
     if recipe_name == "DelayedScaling" and requantized:
         assert not _close(stock, managed), case.label
