@@ -29,6 +29,7 @@ from ._attribution import WorkspaceRecording, record_workspaces, workspace_repor
 from ._step_hook import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._plan_support import recompute_mismatch_reason, unsupported_reason
+from ._plan_support_ops import ops_unsupported_reason
 from ._install import install as install_seams
 from ._install import uninstall as uninstall_seams
 
@@ -48,6 +49,7 @@ __all__ = [
     "release_step_caches",
     "apply_workspace_budget",
     "unsupported_reason",
+    "ops_unsupported_reason",
     "install_seams",
     "uninstall_seams",
     "recompute_mismatch_reason",

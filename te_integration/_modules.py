@@ -24,8 +24,8 @@ from . import _compat as te
 from . import _install
 from ._adapters import ADAPTERS
 from ._call import ACTIVE, CallRecord, refuse_reentry
+from ._managed_common import ManagedCommon
 from ._modules_ops import OPS_DROP_INS, ManagedOp
-from ._shards import trim_sharded_parameters
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
 __all__ = [
@@ -54,7 +54,7 @@ class _FSDP2Flag:
         return state_of(module).probe(module).is_fsdp2
 
 
-class _ManagedModule:
+class _ManagedModule(ManagedCommon):
     """Mixin placed before a TE module class. Its one piece of state is a
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class.
@@ -116,24 +116,6 @@ class _ManagedModule:
             del self.__dict__["is_fsdp2"]
         super().end_forward()
 
-    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
-        super().reset_parameters(*args, **kwargs)
-        trim_sharded_parameters(self)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        trim_sharded_parameters(self)
-
-    @property
-    def workspace_policy(self) -> WorkspacePolicy | None:
-        """The policy pinned on this module (see :func:`set_workspace_policy`);
-        None lets the manager select one per call."""
-        state = self._wm_state
-        return state.policy if state is not None else None
-
-    @workspace_policy.setter
-    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
-        state_of(self).policy = policy
 
 
 class Linear(_ManagedModule, te.TELinear):

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from workspace_manager import WorkspacePolicy
-
 from . import _compat_ops as te_ops
 from . import _install
 from ._adapter_ops import check_levers
 from ._adapter_ops_grouped import grouped_before_backward, grouped_forward
-from ._shards import trim_sharded_parameters
+from ._managed_common import ManagedCommon
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
 __all__ = ["OpsBasicLinear", "OpsGroupedLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
 
 
-class ManagedOp:
+class ManagedOp(ManagedCommon):
     """Mixin placed before a te.ops basic operation class (see the module docstring)."""
 
     _wm_kind: ClassVar[ModuleKind]
@@ -43,23 +41,6 @@ class ManagedOp:
             self.__dict__["_wm_installed"] = True
         super().pre_fuser_forward(requires_grad=requires_grad)
 
-    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
-        super().reset_parameters(*args, **kwargs)
-        if getattr(self, "weight", None) is not None:  # TE's constructor calls it before the weight exists
-            trim_sharded_parameters(self)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        trim_sharded_parameters(self)
-
-    @property
-    def workspace_policy(self) -> WorkspacePolicy | None:
-        state = self._wm_state
-        return state.policy if state is not None else None
-
-    @workspace_policy.setter
-    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
-        state_of(self).policy = policy
 
 
 class OpsBasicLinear(ManagedOp, te_ops.BasicLinear):

@@ -28,7 +28,9 @@ def ops_unsupported_reason(context: WorkspaceContext, plan: WorkspacePlan) -> st
                 "use cache=bypass")
     if context.is_quantized_param:
         return None  # the parameter is its own workspace, as for the modules
-    source, dgrad = plan.backward_source, context.grad_enabled and context.needs_dgrad
+    # A non-reentrant checkpoint's first pass runs with grad on and te.ops
+    # saves as for any training call (the recompute pass's plan, which it takes).
+    source, dgrad = plan.backward_source, context.grad_enabled and context.input_requires_grad
     if source is BackwardSource.SAVED_WORKSPACE:
         if not dgrad:
             return ("backward_source=saved_workspace, but te.ops saves no weight workspace for a call whose "

@@ -218,3 +218,56 @@ def test_workspace_report_and_recording_cover_te_ops(ti):
     # which the ledger counts as a rowwise buffer; TE's storages have none).
     after = ti.attribution.workspace_report(managed).entries
     assert all(e.usage is Usage.ROWWISE and e.nbytes == OUT * IN * 4 for e in after), after
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("sharding", [Sharding.NONE, Sharding.FSDP2_RESHARD])
+def test_te_checkpoint_around_te_ops_matches_stock(ti, sharding, reentrant):
+    stock, managed = _model("sequential"), _model("sequential")
+    ti.modules.convert_model(managed)
+    for op in _linears(managed):
+        _sharded(ti, op, sharding)
+    got, want = [], []
+    for model, out in ((managed, got), (stock, want)):
+        x = torch.randn(TOKENS, IN, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+        y = _fake_te.checkpoint(model, x, use_reentrant=reentrant)
+        y.square().sum().backward()
+        out += [y, x.grad, *[p.grad for p in model.parameters()]]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    passes = {ctx.recompute.value for op in _linears(managed) for ctx, _ in ti.modules.last_plans(op).values()}
+    assert passes == {"recompute"}  # the last call of each op: the recompute pass in backward
+
+
+def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
+    """The plans ``explain`` prints hold for te.ops as for the modules: every
+    context a te.ops call can have (no microbatch position), under every
+    shipped policy and quantizer profile, gets a plan te.ops carries out."""
+    import importlib.util
+    import itertools
+    from pathlib import Path
+
+    from workspace_manager import (PROFILES, BackwardOverride, CallShape, Microbatch, RecomputePass, RecomputeScope,
+                                   WeightSource, named_policy, plan_call)
+
+    path = Path(__file__).resolve().parents[2] / "te_integration" / "_plan_support_ops.py"
+    spec = importlib.util.spec_from_file_location("_plan_support_ops", path)
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    names = [None, "plain", "fsdp2", "recompute", "fsdp2_recompute", "lean", "keep_for_backward",
+             "fsdp2_microbatch_cache", "fsdp2_recompute_build_once"]
+    checked = 0
+    for name, caps, sharding, grad, input_grad, override, weight, recompute in itertools.product(
+            names, PROFILES.values(), (Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP), (True, False),
+            (True, False), (None, "high_precision", "dequantized"), tuple(WeightSource)[:2], tuple(RecomputePass)):
+        if recompute is RecomputePass.RECOMPUTE and not grad:
+            continue  # no such call: a recompute pass feeds a backward
+        call = CallShape(capabilities=caps, sharding=sharding, recompute=recompute, recompute_scope=RecomputeScope.REGION,
+                         grad_enabled=grad, input_requires_grad=input_grad, weight=weight, microbatch=Microbatch.NONE,
+                         backward_override=BackwardOverride.from_te(override))
+        try:
+            planned = plan_call(named_policy(name) if name else None, call)
+        except PolicyMismatchError:
+            continue  # the policy does not cover this context (a pinned FSDP2 policy on a whole weight)
+        assert rules.ops_unsupported_reason(planned.context, planned.plan) is None, (name, planned.context)
+        checked += 1
+    assert checked > 1000

@@ -8,29 +8,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from _te_standin_ops_tree import write_te_ops_tree
 from _te_standin_tree import remove, source_file
+from test_te_compat_seams import _LOAD_COMPAT
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_LOAD = textwrap.dedent(
-    f"""
-    import json, sys, types
-    package = types.ModuleType("te_integration")
-    package.__path__ = [{str(ROOT / "te_integration")!r}]
-    sys.modules["te_integration"] = package
-    try:
-        import te_integration._compat_ops as compat
-    except Exception as err:
-        print(type(err).__name__, err)
-        sys.exit(3)
-    print(json.dumps([[s.module, s.attr, s.file] for s in compat.SEAMS]))
-    """
-)
+# The modules' layer's loader (test_te_compat_seams), loading the te.ops layer instead.
+_LOAD = _LOAD_COMPAT.replace("import te_integration._compat as compat", "import te_integration._compat_ops as compat")
+assert _LOAD != _LOAD_COMPAT
 
 
 def _run(root: Path) -> subprocess.CompletedProcess:
