@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 from workspace_manager import BackwardOverride, BackwardSource, RecomputePass, RecomputeScope
 
 from . import _attribution
@@ -47,7 +49,8 @@ from ._rebuild import RebuildQuantizer
 from ._release import BackwardWork, run_backward
 from ._state import ModuleKind, state_of
 
-__all__ = ["OPS_KINDS", "check_levers", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names", "FUSER_SEAM"]
+__all__ = ["OPS_KINDS", "check_levers", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names",
+           "FUSER_SEAM"]
 
 _LEDGER = _attribution.LEDGER
 _OPS_LINEAR, _OPS_GROUPED = ModuleKind.OPS_BASIC_LINEAR, ModuleKind.OPS_GROUPED_LINEAR
@@ -202,7 +205,10 @@ def _edit_ctxs(func_ctx, opened: list) -> None:
 
 def _fuser_forward(func_ctx, input_, fuser, *args):
     te_forward = te_ops.FuserFunction.forward
-    opened = _open(fuser) if ACTIVE.record is None or ACTIVE.record.kind not in OPS_KINDS else []
+    # Inside a torch.compile trace the ops stay stock, as the modules do (_modules).
+    top = ACTIVE.record
+    opened = _open(fuser) if ((top is None or top.kind not in OPS_KINDS)
+                              and not torch.compiler.is_dynamo_compiling()) else []
     if not opened:
         if func_ctx is not None:
             func_ctx._te_wm_backward = None

@@ -27,8 +27,8 @@ from __future__ import annotations
 from ._compat import VERSION, Seam, UnsupportedTEError, _resolve, missing_seams_message
 from ._te_source import structure_problems
 
-__all__ = ["SEAMS", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction", "ops_linear_module",
-           "ops_package"]
+__all__ = ["SEAMS", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction",
+           "ops_linear_module", "ops_package"]
 
 _OPS = "transformer_engine.pytorch.ops"
 _BL, _FUSER, _FUSED = f"{_OPS}.basic.basic_linear", f"{_OPS}.fuser", f"{_OPS}.fused"
@@ -71,6 +71,8 @@ GroupedLinear = _found["GroupedLinear"]
 _fused = [_found[name] for name in _FUSED_FORWARDS]  # their fuser_forward functions
 del _found
 
+#: GroupedLinear's backward takes the weights from the end of the saved tensors.
+_WEIGHTS_LAST = "ws, saved_tensors = saved_tensors[:num_groups], saved_tensors[num_groups:]"
 #: Lines of TE's code the ops seams rely on.
 _SENTINELS = {
     BasicLinear._functional_forward: ["columnwise=input_requires_grad and backward_override is None",
@@ -91,10 +93,8 @@ _SENTINELS = {
     GroupedLinear._fuser_forward_grouped_tensor: ["columnwise_usage=input_requires_grad",
                                                   "if not input_requires_grad or self._is_distributed_weight():",
                                                   "saved.extend(grouped_weights)", "return out, tuple(saved)"],
-    GroupedLinear._fuser_backward_split_quantize: ["ws, saved_tensors = saved_tensors[:num_groups], saved_tensors[num_groups:]",
-                                                   "saved_tensors = ctx.saved_tensors"],
-    GroupedLinear._fuser_backward_grouped_tensor: ["ws, saved_tensors = saved_tensors[:num_groups], saved_tensors[num_groups:]",
-                                                   "saved_tensors = ctx.saved_tensors"],
+    GroupedLinear._fuser_backward_split_quantize: [_WEIGHTS_LAST, "saved_tensors = ctx.saved_tensors"],
+    GroupedLinear._fuser_backward_grouped_tensor: [_WEIGHTS_LAST, "saved_tensors = ctx.saved_tensors"],
     GroupedLinear.fuser_forward_save_ctx: ["ctx.weight_quantizers = weight_quantizers",
                                            "ctx.input_requires_grad = requires_grad[0]"],
     **{fused_forward: ["BasicLinear._functional_forward(", "saved_weight = w",

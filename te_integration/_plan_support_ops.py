@@ -15,7 +15,8 @@ planned ``requantize`` first (``_adapter_ops``).
 
 from __future__ import annotations
 
-from workspace_manager import BackwardOverride, BackwardSource, CacheAction, Release, Usage, WorkspaceContext, WorkspacePlan
+from workspace_manager import (BackwardOverride, BackwardSource, CacheAction, Release, Usage, WorkspaceContext,
+                               WorkspacePlan)
 
 __all__ = ["ops_unsupported_reason"]
 

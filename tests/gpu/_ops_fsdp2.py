@@ -56,7 +56,8 @@ def _run(builder, managed: bool, recipe, qinit: bool) -> dict:
     if managed:
         import te_integration as ti
 
-        result["plans"] = sorted({f"{ctx.sharding.value}: {plan.summary()}" for m in model.modules()
+        ops = [m for m in model.modules() if isinstance(m, (ti.OpsBasicLinear, ti.OpsGroupedLinear))]
+        result["plans"] = sorted({f"{ctx.sharding.value}: {plan.summary()}" for m in ops
                                   for ctx, plan in ti.last_plans(m).values()})
     del model
     return result

@@ -32,7 +32,8 @@ def test_ops_selects_the_fusible_ops_files_with_the_ops_swapped(tmp_path):
     assert all(e.ops for e in harness.OPS)
     [fusible] = _plan([*out, "--files", "test_fusible_ops.py", "-k", "basic_linear"]).entries
     assert (fusible.select, fusible.ops) == ("basic_linear", True)
-    cmd = harness.pytest_command(fusible, report.Variant.DROPIN, tmp_path / "run", tmp_path / "pytorch", "te_integration")
+    cmd = harness.pytest_command(fusible, report.Variant.DROPIN, tmp_path / "run", tmp_path / "pytorch",
+                                 "te_integration")
     assert "--te-suite-ops" in cmd and cmd[-2:] == ["-k", "basic_linear"]
     modules = harness.Entry("test_numerics.py", "linear")
     assert "--te-suite-ops" not in harness.pytest_command(modules, report.Variant.DROPIN, tmp_path, tmp_path, "x")

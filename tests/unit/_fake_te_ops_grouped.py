@@ -63,7 +63,8 @@ class GroupedLinear(BasicOperation):
         out, saved = path(input_=input_, weight_quantizers=self.quantizers, with_quantized_compute=fp8,
                           input_requires_grad=ctx.requires_grad, weight_requires_grad=ctx.requires_grad)
         ctx.save_for_backward(*saved)
-        ctx.weight_quantizers, ctx.input_requires_grad, ctx.with_quantized_compute = self.quantizers, ctx.requires_grad, fp8
+        ctx.weight_quantizers, ctx.with_quantized_compute = self.quantizers, fp8
+        ctx.input_requires_grad = ctx.requires_grad
         return out, [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, **unused):

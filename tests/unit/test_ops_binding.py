@@ -261,9 +261,9 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
             (True, False), (None, "high_precision", "dequantized"), tuple(WeightSource)[:2], tuple(RecomputePass)):
         if recompute is RecomputePass.RECOMPUTE and not grad:
             continue  # no such call: a recompute pass feeds a backward
-        call = CallShape(capabilities=caps, sharding=sharding, recompute=recompute, recompute_scope=RecomputeScope.REGION,
-                         grad_enabled=grad, input_requires_grad=input_grad, weight=weight, microbatch=Microbatch.NONE,
-                         backward_override=BackwardOverride.from_te(override))
+        call = CallShape(capabilities=caps, sharding=sharding, recompute=recompute,
+                         recompute_scope=RecomputeScope.REGION, grad_enabled=grad, input_requires_grad=input_grad,
+                         weight=weight, microbatch=Microbatch.NONE, backward_override=BackwardOverride.from_te(override))
         try:
             planned = plan_call(named_policy(name) if name else None, call)
         except PolicyMismatchError:
