@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 H, TOKENS, GROUPS = 128, 64, 4
+#: Tokens per group of GroupedLinear: a multiple of 128, as TE's own grouped tests align splits.
+GROUP_TOKENS = 128
 FORMS = ("basic_linear", "linear_bias", "linear_add", "residual_linear", "mlp", "grouped")
 
 
@@ -84,12 +86,13 @@ def drop_in_ops(model) -> list:
 
 def _inputs(case: OpsCase, step: int):
     g = torch.Generator(device="cuda").manual_seed(17 + step)
-    x = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    tokens = GROUP_TOKENS * GROUPS if case.form == "grouped" else TOKENS
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     extra = []
     if case.form == "linear_add":
         extra = [torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16, generator=g)]
     if case.form == "grouped":
-        extra = [torch.tensor([TOKENS // GROUPS] * GROUPS, dtype=torch.int64, device="cuda")]
+        extra = [torch.tensor([GROUP_TOKENS] * GROUPS, dtype=torch.int64, device="cuda")]
     return x, extra
 
 
@@ -165,7 +168,9 @@ def differences(stock: list, managed: list) -> list[str]:
 
 @dataclass
 class OpsWatch:
-    """What the GEMMs of te.ops's BasicLinear read (patched in its module file)."""
+    """What the GEMMs of te.ops's BasicLinear read (patched in its module file):
+    ``forward`` the usages of each forward weight operand; ``dgrad`` whether
+    each dgrad operand is a storage a forward GEMM read, and its usages."""
 
     forward: list = field(default_factory=list)
     dgrad: list = field(default_factory=list)
@@ -180,9 +185,14 @@ class OpsWatch:
         original = basic_linear.general_gemm
 
         def gemm(a, b, *args, **kwargs):
-            if isinstance(a, QuantizedTensorStorage) and kwargs.get("layout", "TN") in ("TN", "NN"):
-                side = self.forward if kwargs.get("layout", "TN") == "TN" else self.dgrad
-                side.append((id(a), usages_of(a)))
+            layout = kwargs.get("layout", "TN")
+            if isinstance(a, QuantizedTensorStorage) and layout in ("TN", "NN"):
+                # A mark on the object, not its id: ids of freed workspaces are reused.
+                if layout == "TN":
+                    a._te_wm_watched = True
+                    self.forward.append((True, usages_of(a)))
+                else:
+                    self.dgrad.append((getattr(a, "_te_wm_watched", False), usages_of(a)))
             return original(a, b, *args, **kwargs)
 
         basic_linear.general_gemm = gemm
