@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import _fake_te
 import _fake_te_ops as ops
@@ -32,7 +30,7 @@ def ti(monkeypatch):
 
 
 def _sharded(ti, op, sharding: Sharding, policy=None) -> None:
-    op.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.OPS_BASIC_LINEAR, policy,
+    op.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(op._wm_kind, policy,
                                                              probe=FixedSharding(sharding, is_fsdp2=False))
 
 
@@ -138,48 +136,6 @@ def test_a_plan_te_ops_cannot_carry_out_is_refused_by_name(ti):
         _step(managed)
     text = str(err.value)
     assert "te.ops.BasicLinear" in text and "forward_usage=rowwise" in text and "Context" in text
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), sharding=st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP]),
-       override=st.sampled_from([None, "high_precision", "dequantized"]), fuse=st.booleans())
-def test_any_drawn_plan_runs_as_planned_or_is_refused_by_name(ti, data, sharding, override, fuse):
-    ops._STATE["override"], ops._STATE["fuse"] = override, fuse
-    ops.REBUILT.clear()
-    ops.FORWARD.clear()
-    ops.DEQUANTIZED.clear()
-    policy = DrawnPlanPolicy(chooser=lambda ctx, candidates: data.draw(st.sampled_from(list(candidates))))
-    stock, managed = _model("sequential"), _model("sequential")
-    ti.modules.convert_model(managed)
-    for op in _linears(managed):
-        _sharded(ti, op, sharding, policy)
-    try:
-        got = _step(managed)
-    except PolicyMismatchError as err:
-        assert any(f in str(err) for f in ("cache", "forward_usage", "backward_source", "backward_usage",
-                                           "release", "parameter_keeps", "columnwise_source")), str(err)
-        return
-    forward, rebuilt_log, dequantized = list(ops.FORWARD), list(ops.REBUILT), list(ops.DEQUANTIZED)
-    want = _step(stock)
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2]))
-    plans = [next(iter(ti.modules.last_plans(op).values()))[1] for op in _linears(managed)]
-    saved_ws = _workspaces(got[4])
-    expect_saved = [p for p in plans if p.backward_source.value == "saved_workspace"]
-    assert len(saved_ws) == len(expect_saved)
-    for ws, plan in zip(saved_ws, expect_saved):
-        usages = ws.get_usages()
-        assert usages["rowwise"] == (Usage.ROWWISE in plan.backward_usage)
-        assert usages["columnwise"] == (Usage.COLUMNWISE in plan.backward_usage)
-    assert forward == [_usages(p.forward_usage) for p in plans]
-    if override == "dequantized":  # dgrad dequantizes what the plan keeps or rebuilds, never the weight itself
-        assert dequantized == [_usages(p.backward_usage) for p in reversed(plans)]
-        assert rebuilt_log == []
-        return
-    rebuilt = [p for p in plans if p.backward_source.value == "requantize"]
-    assert len(rebuilt_log) == len(rebuilt)
-    for usages, plan in zip(rebuilt_log, reversed(rebuilt)):
-        assert usages == _usages(plan.backward_usage)
 
 
 def _usages(usage: Usage) -> dict:

@@ -12,7 +12,6 @@ import _fake_te_ops as ops
 from _fake_te_ops_grouped import GroupedLinear
 from test_ops_binding import IN, OUT, _sharded, ti  # noqa: F401  (the fixture)
 from workspace_manager import Sharding
-from workspace_manager.testing.plans import FixedSharding
 
 GROUPS = 3
 
@@ -32,9 +31,6 @@ def test_grouped_default_plans_are_carried_out_and_match_stock(ti, sharding, ten
     assert type(grouped).__name__ == "OpsGroupedLinear"
     for op in managed.ops:
         _sharded(ti, op, sharding)
-    op_state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.OPS_GROUPED_LINEAR, None,
-                                             probe=FixedSharding(sharding, is_fsdp2=False))
-    grouped.__dict__["_wm_state"] = op_state
     ops.FORWARD.clear()
     x = torch.randn(GROUPS * 2, IN, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     got_out = managed(x)
