@@ -30,6 +30,8 @@ def test_te_ops_under_fsdp2_match_stock_and_keep_no_weight_copy(tmp_path):
     errors = [e for e in report["errors"]
               if not (report["world_size"] == 1 and TE_WORLD1_BLOCK_QINIT in e["traceback"])]
     assert not errors, "\n\n".join(f"{e['where']}\n{e['traceback']}" for e in errors)
+    for label, why in report.get("stock_failures", {}).items():
+        print(f"stock TE fails {label} here, not compared: {why}")
     problems = []
     for label, case in report["cases"].items():
         if label.endswith("te_linear_stack"):
@@ -48,7 +50,7 @@ def test_te_ops_under_fsdp2_match_stock_and_keep_no_weight_copy(tmp_path):
         if case["peak_managed"] > case["peak_stock"]:
             problems.append(f"{label}: peak {case['peak_managed']} over stock's {case['peak_stock']}")
         if model == "ops_stack":
-            reference = report["cases"][f"{recipe}/{init}/te_linear_stack"]["rise_stock"]
+            reference = report["cases"].get(f"{recipe}/{init}/te_linear_stack", {}).get("rise_stock", float("inf"))
             if case["rise_managed"] > reference:
                 problems.append(f"{label}: rise per block {case['rise_managed']} over te.Linear's {reference}")
             if init == "bf16" and case["rise_stock"] - case["rise_managed"] < HIDDEN * HIDDEN:
