@@ -2,7 +2,9 @@
 
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` are TE 2.20's classes
 with every workspace decision (cache, forward usage, what backward gets,
-what is released) taken from ``workspace_manager``'s policies. Importing
+what is released) taken from ``workspace_manager``'s policies; so are
+``OpsBasicLinear`` and ``OpsGroupedLinear``, TE's fusible ops (``te.ops``,
+also inside ``te.ops.Linear`` and ``te.ops.Sequential``). Importing
 this package needs TransformerEngine 2.20.x; it raises ImportError naming
 the installed and supported versions otherwise. See docs/te-integration.md.
 """
