@@ -18,6 +18,7 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``saved_workspace`` | 1 GPU, no FSDP | memory held from forward to backward, peak and paired step time: stock, drop-in (D11), ``LeanWorkspacePolicy``, bf16; bit-exact check; what one layer keeps for backward, tensor by tensor |
 | ``moe_memory`` | 1 or 2 GPUs, FSDP2 and unsharded | MoE expert stacks of ``te.GroupedLinear`` (8 and 64 experts): memory per block, held, peak, after backward and step, stock/drop-in/bf16 per recipe, 1 and 4 microbatches; unsharded with ``LeanWorkspacePolicy``; paired step time with a control |
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
+| ``ops_memory`` | 1 or 2 GPUs, FSDP2 | te.ops (issue 28): the ``te.ops.Linear`` stack and a ``te.ops.Sequential`` MLP, stock/drop-in/bf16 and the ``te.Linear`` stack: per-block forward rise, peak, losses, step time with a stock control |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
 

@@ -2,7 +2,9 @@
 
 ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear`` are TE 2.20's classes
 with every workspace decision (cache, forward usage, what backward gets,
-what is released) taken from ``workspace_manager``'s policies. Importing
+what is released) taken from ``workspace_manager``'s policies; so are
+``OpsBasicLinear`` and ``OpsGroupedLinear``, TE's fusible ops (``te.ops``,
+also inside ``te.ops.Linear`` and ``te.ops.Sequential``). Importing
 this package needs TransformerEngine 2.20.x; it raises ImportError naming
 the installed and supported versions otherwise. See docs/te-integration.md.
 """
@@ -22,6 +24,7 @@ from ._modules import (
     workspace_state,
 )
 from ._construction import managed_construction
+from ._modules_ops import OpsBasicLinear, OpsLinear
 from ._levers import Levers
 from ._state import ModuleWorkspaceState
 from ._foreign_patches import ForeignPatchError
@@ -29,6 +32,7 @@ from ._attribution import WorkspaceRecording, record_workspaces, workspace_repor
 from ._step_hook import release_step_caches
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._plan_support import recompute_mismatch_reason, unsupported_reason
+from ._plan_support_ops import ops_unsupported_reason
 from ._install import install as install_seams
 from ._install import uninstall as uninstall_seams
 
@@ -37,6 +41,8 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "GroupedLinear",
+    "OpsBasicLinear",
+    "OpsLinear",
     "convert_model",
     "managed_construction",
     "set_workspace_policy",
@@ -47,6 +53,7 @@ __all__ = [
     "release_step_caches",
     "apply_workspace_budget",
     "unsupported_reason",
+    "ops_unsupported_reason",
     "install_seams",
     "uninstall_seams",
     "recompute_mismatch_reason",

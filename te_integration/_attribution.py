@@ -33,6 +33,7 @@ from workspace_manager import (
 )
 
 from . import _compat as te
+from . import _compat_ops as te_ops
 from ._step_hook import add_step_task, ensure_hook
 from ._argument_checks import expect_bool, expect_module
 
@@ -48,7 +49,8 @@ LEDGER = WorkspaceLedger(allocated=_allocated)
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The TE module whose forward is running (set by the recording's hooks).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("te_wm_observed_module", default=None)
-_TE_MODULES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP, te.TEGroupedLinear)
+_TE_MODULES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP, te.TEGroupedLinear, te_ops.BasicLinear,
+               te_ops.GroupedLinear)
 
 
 def _name(module: Any) -> str:

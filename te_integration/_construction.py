@@ -19,6 +19,7 @@ from typing import Any
 
 from ._adapters import ADAPTERS
 from ._modules import _DROP_INS
+from ._modules_ops import OPS_CONSTRUCTION
 
 __all__ = ["managed_construction"]
 
@@ -38,7 +39,7 @@ _CONSTRUCTION_LOCK = threading.Lock()
 
 def _construction_targets() -> list[tuple[Any, str, type]]:
     return [(module, name, _DROP_INS[adapter.te_class]) for adapter in ADAPTERS
-            for module, name in adapter.construction]
+            for module, name in adapter.construction] + list(OPS_CONSTRUCTION)
 
 
 def _enter_construction() -> None:

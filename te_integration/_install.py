@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 from . import _compat as te
+from ._adapter_ops import ops_seamed_names
 from ._adapters import ADAPTERS
 from ._call import ACTIVE
 from ._foreign_patches import ForeignPatchError, SeamedName, foreign_patches, in_place, refuse_foreign_patches
@@ -46,7 +47,7 @@ def _seamed_names() -> tuple[SeamedName, ...]:
                                 adapter.function))
         names.extend(SeamedName(file, global_name, f"{theirs.__module__}.{theirs.__qualname__}", ours)
                      for global_name, theirs, ours in adapter.module_globals)
-    return tuple(names)
+    return tuple(names) + ops_seamed_names()
 
 
 def install() -> None:
@@ -64,7 +65,10 @@ def install() -> None:
         names = _SEAMED or _seamed_names()
         refuse_foreign_patches(names)
         for seamed in names:
-            current = getattr(seamed.module, seamed.name)
+            # A class attribute (te.ops's BasicLinear._functional_forward) is
+            # kept as the class holds it, so uninstall puts TE's staticmethod back.
+            current = (vars(seamed.module)[seamed.name] if isinstance(seamed.module, type)
+                       else getattr(seamed.module, seamed.name))
             if current is not seamed.ours:
                 _REPLACED[(id(seamed.module), seamed.name)] = current
             setattr(seamed.module, seamed.name, seamed.ours)

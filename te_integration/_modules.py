@@ -24,7 +24,8 @@ from . import _compat as te
 from . import _install
 from ._adapters import ADAPTERS
 from ._call import ACTIVE, CallRecord, refuse_reentry
-from ._shards import trim_sharded_parameters
+from ._managed_common import ManagedCommon
+from ._modules_ops import OPS_DROP_INS, ManagedOp
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
 __all__ = [
@@ -54,7 +55,7 @@ class _FSDP2Flag:
         return state_of(module).probe(module).is_fsdp2
 
 
-class _ManagedModule:
+class _ManagedModule(ManagedCommon):
     """Mixin placed before a TE module class. Its one piece of state is a
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class.
@@ -117,24 +118,6 @@ class _ManagedModule:
             del self.__dict__["is_fsdp2"]
         super().end_forward()
 
-    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
-        super().reset_parameters(*args, **kwargs)
-        trim_sharded_parameters(self)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        trim_sharded_parameters(self)
-
-    @property
-    def workspace_policy(self) -> WorkspacePolicy | None:
-        """The policy pinned on this module (see :func:`set_workspace_policy`);
-        None lets the manager select one per call."""
-        state = self._wm_state
-        return state.policy if state is not None else None
-
-    @workspace_policy.setter
-    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
-        state_of(self).policy = policy
 
 
 class Linear(_ManagedModule, te.TELinear):
@@ -171,21 +154,25 @@ _DROP_INS: dict[type, type] = {
 }
 if len(_DROP_INS) != len(ADAPTERS):
     raise ImportError("te_integration: a module kind's adapter has no drop-in class")
+_DROP_INS.update(OPS_DROP_INS)  # te.ops's weight-bearing ops (_modules_ops)
 _CONVERTED: dict[type, type] = {}
 _TE_CLASSES = tuple(_DROP_INS)
+#: The mixins of every drop-in: the modules' and te.ops's.
+_MANAGED = (_ManagedModule, ManagedOp)
 
 
 def _managed_class_for(cls: type) -> type | None:
     """The drop-in for ``cls``: ours for TE's classes, a cached
     ``Managed<cls>`` for third-party subclasses of them, None otherwise."""
-    if issubclass(cls, _ManagedModule):
+    if issubclass(cls, _MANAGED):
         return None
     if cls in _DROP_INS:
         return _DROP_INS[cls]
     for te_cls, ours in _DROP_INS.items():
         if issubclass(cls, te_cls):
             if cls not in _CONVERTED:
-                _CONVERTED[cls] = type(f"Managed{cls.__name__}", (_ManagedModule, cls),
+                mixin = ManagedOp if issubclass(ours, ManagedOp) else _ManagedModule
+                _CONVERTED[cls] = type(f"Managed{cls.__name__}", (mixin, cls),
                                        {"_wm_kind": ours._wm_kind, "__module__": __name__})
             return _CONVERTED[cls]
     return None
@@ -226,7 +213,7 @@ def _conversions(model: torch.nn.Module, module_filter: Callable | None) -> list
     module; raises, having changed nothing, on a module FSDP2 wraps."""
     chosen = []
     for fqn, module in model.named_modules():
-        managed = isinstance(module, _ManagedModule)
+        managed = isinstance(module, _MANAGED)
         target = None if managed else _managed_class_for(type(module))
         if not managed and target is None:
             continue
@@ -251,7 +238,7 @@ def set_workspace_policy(module: torch.nn.Module, policy: WorkspacePolicy | None
     A pinned policy that does not cover a call fails at that call's forward
     with :class:`PolicyMismatchError`."""
     checks.expect_module("set_workspace_policy", "module", module)
-    if not isinstance(module, _ManagedModule):
+    if not isinstance(module, _MANAGED):
         raise TypeError(
             f"set_workspace_policy: module must be a te_integration drop-in module; {type(module).__name__} "
             "is not one. Convert it first: te_integration.convert_model(model, policy=...)."
@@ -266,14 +253,14 @@ def last_plans(module: torch.nn.Module) -> dict:
     drop-in that has not run a managed call, has none: ``{}``."""
     checks.expect_te_module("last_plans", "module", module, _TE_CLASSES,
                            "For a whole model: {name: last_plans(m) for name, m in model.named_modules() ...}.")
-    state = module._wm_state if isinstance(module, _ManagedModule) else None
+    state = module._wm_state if isinstance(module, _MANAGED) else None
     return state.last_plans() if state is not None else {}
 
 
 def workspace_state(module: torch.nn.Module) -> ModuleWorkspaceState:
     """The drop-in ``module``'s :class:`ModuleWorkspaceState` (made if needed):
     its pinned policy, sharding, plans and memo, for tools and tests."""
-    if not isinstance(module, _ManagedModule):
+    if not isinstance(module, _MANAGED):
         raise TypeError(
             f"workspace_state needs a te_integration module; {type(module).__name__} is not one. "
             "Convert it first with te_integration.convert_model."

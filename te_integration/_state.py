@@ -58,6 +58,10 @@ class ModuleKind(enum.Enum):
     LAYERNORM_LINEAR = "layernorm_linear"
     LAYERNORM_MLP = "layernorm_mlp"
     GROUPED_LINEAR = "grouped_linear"
+    #: ``te.ops.BasicLinear`` (also inside ``te.ops.Linear`` and the fused ops built on it).
+    OPS_BASIC_LINEAR = "ops_basic_linear"
+    #: ``te.ops.GroupedLinear`` (the basic op).
+    OPS_GROUPED_LINEAR = "ops_grouped_linear"
 
 
 #: Instance-dependent capabilities -> a small int for memo keys (see

@@ -6,7 +6,7 @@ harness, run from the repository root on a machine with CUDA and TE.
 | module | holds |
 |---|---|
 | ``harness`` | the command line, one pytest process per file and variant, timeouts, the outputs |
-| ``selection`` | what runs: TE's test files and their ``-k`` selections (``FULL``, ``QUICK``, ``GROUPED``) |
+| ``selection`` | what runs: TE's test files and their ``-k`` selections (``FULL``, ``QUICK``, ``GROUPED``, ``OPS``) |
 | ``plugin`` | the pytest plugin (``-p tests.te_suite.plugin``) that swaps the drop-ins in before collection and records it |
 | ``report`` | per-test outcomes from JUnit XML, the stock/drop-in comparison and its summary |
 

@@ -53,9 +53,9 @@ from .report import (
     render_summary,
     write_outcomes,
 )
-from .selection import FULL, GROUPED, QUICK, Entry, Launcher, entries_for
+from .selection import FULL, GROUPED, OPS, QUICK, Entry, Launcher, entries_for
 
-__all__ = ["Launcher", "Entry", "FULL", "GROUPED", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
+__all__ = ["Launcher", "Entry", "FULL", "GROUPED", "OPS", "QUICK", "Plan", "main", "build_parser", "plan_from_args",
            "pytest_command", "collect_run"]
 
 PLUGIN = "tests.te_suite.plugin"
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     tables.add_argument("--grouped", action="store_true",
                         help="the GroupedLinear tests (GROUPED in tests/te_suite/selection.py): "
                              "test_grouped_linear.py, test_sanity.py -k grouped, and two more files' grouped cases")
+    tables.add_argument("--ops", action="store_true",
+                        help="TE's fusible-ops files, te.ops's linear ops swapped too (OPS in "
+                             "tests/te_suite/selection.py)")
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="run only these (relative to DIR); a file of the table keeps its -k selection")
     p.add_argument("-k", dest="select", default=None, metavar="EXPR",
@@ -164,7 +167,7 @@ def pytest_command(entry: Entry, variant: Variant, run_dir: Path, copy: Path, dr
            # the copy's own pytest.ini and folder, nothing of this repository's configuration
            "--rootdir", str(copy), "-c", str(copy / "pytest.ini"),
            "-p", "no:cacheprovider", "-p", "no:randomly", "--continue-on-collection-errors",
-           "-q", "--tb=short", "-rfE"]
+           "-q", "--tb=short", "-rfE"] + (["--te-suite-ops"] if entry.ops else [])
     if swap is not None:
         cmd += ["--te-suite-swap", swap]
     return cmd + (["-k", entry.select] if entry.select else [])

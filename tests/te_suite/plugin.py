@@ -129,6 +129,8 @@ class _Session:
         self.constructed: Counter = Counter()
         self.restore: list[tuple[type, object]] = []
         self.started = None
+        #: Whether te.ops's names are swapped (or checked) too (``--te-suite-ops``).
+        self.ops = False
 
     def write(self) -> None:
         if self.variant == "dropin":
@@ -149,6 +151,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="module whose Linear, LayerNormLinear, LayerNormMLP and GroupedLinear replace TE's")
     group.addoption("--te-suite-swap", default=",".join(CLASS_HOMES),
                     help=f"comma-separated names the dropin variant swaps (default: {','.join(CLASS_HOMES)})")
+    group.addoption("--te-suite-ops", action="store_true", default=False,
+                    help="also te.ops.BasicLinear and te.ops.GroupedLinear (tests.te_suite.ops_swap)")
 
 
 def _count_constructions(state: _Session, cls: type, name: str) -> None:
@@ -179,6 +183,14 @@ def _configure(state: _Session, swap: tuple[str, ...]) -> None:
     state.namespaces = {name: importlib.import_module(name) for name in NAMESPACES}
     stock = {name: getattr(importlib.import_module(home), name) for name, home in CLASS_HOMES.items()}
     state.record["te_version"] = str(getattr(transformer_engine, "__version__", "unknown"))
+    if state.ops:
+        from .ops_swap import swap_ops
+
+        rebound, ops_classes = swap_ops(state.dropins_module if state.variant == "dropin" else None)
+        state.record["rebound"] += [asdict(r) for r in rebound]
+        if state.variant == "dropin":
+            for name, cls in ops_classes.items():
+                _count_constructions(state, cls, name)
     if state.variant == "stock":
         check_bound(state.namespaces, stock)
         state.expected = stock
@@ -187,7 +199,7 @@ def _configure(state: _Session, swap: tuple[str, ...]) -> None:
     provider = importlib.import_module(state.dropins_module)
     dropins = {name: getattr(provider, name) for name in swap}
     swapped = {name: stock[name] for name in swap}
-    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, swapped, dropins)]
+    state.record["rebound"] = [asdict(r) for r in rebind(state.namespaces, swapped, dropins)] + state.record["rebound"]
     state.expected = {**stock, **dropins}  # the names left out stay TE's own
     check_bound(state.namespaces, state.expected)
     state.forbidden = swapped
@@ -207,6 +219,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not record:
         raise pytest.UsageError("--te-suite-variant needs --te-suite-record DIR")
     state = _Session(variant, Path(record), config.getoption("te_suite_dropins"))
+    state.ops = bool(config.getoption("te_suite_ops"))
     state.dir.mkdir(parents=True, exist_ok=True)
     xmlpath = config.option.xmlpath
     if xmlpath and state.suffix:

@@ -1,6 +1,6 @@
 """What ``tests.te_suite`` runs: TE's test files with their ``-k``
-selections (the tables :data:`FULL`, :data:`QUICK` and :data:`GROUPED`),
-how each is launched, and the choice ``--quick``, ``--grouped``, ``--files``
+selections (the tables :data:`FULL`, :data:`QUICK`, :data:`GROUPED` and
+:data:`OPS`), how each is launched, and the choice ``--quick``, ``--grouped``, ``--ops``, ``--files``
 and ``-k`` make among them. Pure: nothing here runs a test."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Entry", "FULL", "GROUPED", "Launcher", "QUICK", "entries_for"]
+__all__ = ["Entry", "FULL", "GROUPED", "Launcher", "OPS", "QUICK", "entries_for"]
 
 
 class Launcher(enum.Enum):
@@ -25,6 +25,8 @@ class Entry:
     path: str
     select: str = ""
     launcher: Launcher = Launcher.PYTEST
+    #: te.ops's BasicLinear and GroupedLinear are swapped too (``tests.te_suite.ops_swap``).
+    ops: bool = False
 
 
 _LARGE = "(linear or mlp) and not grouped"
@@ -71,16 +73,25 @@ GROUPED: tuple[Entry, ...] = (
 )
 
 
+#: ``--ops``: TE's fusible-ops files with te.ops's BasicLinear and GroupedLinear swapped
+#: too; test_fusible_ops.py cut to the linear ops, as TE's own results for them were taken.
+OPS: tuple[Entry, ...] = (
+    Entry("test_fusible_ops.py", "basic_linear or test_linear or grouped_linear", ops=True),
+    Entry("test_grouped_mlp.py", ops=True),
+)
+
+
 def entries_for(args: argparse.Namespace) -> tuple[Entry, ...]:
-    table = QUICK if args.quick else GROUPED if args.grouped else FULL
+    table = (OPS if getattr(args, "ops", False) else QUICK if args.quick else GROUPED if args.grouped
+             else FULL)
     if args.files:
-        known = {e.path: e for e in (*FULL, *table)}  # the chosen table's selection wins
+        known = {e.path: e for e in (*OPS, *FULL, *table)}  # the chosen table's selection wins
         picked = [known.get(path.rstrip("/")) or Entry(path.rstrip("/"), launcher=_launcher_for(path))
                   for path in args.files]
     else:
         picked = list(table)
     if args.select is not None:
-        picked = [Entry(e.path, args.select, e.launcher) for e in picked]
+        picked = [Entry(e.path, args.select, e.launcher, e.ops) for e in picked]
     return tuple(picked)
 
 

@@ -35,6 +35,13 @@ def load_binding(monkeypatch: Any, compat: dict[str, Any], *modules: str) -> dic
         monkeypatch.setitem(sys.modules, f"te_integration.{path.stem}", None)
         del sys.modules[f"te_integration.{path.stem}"]
     monkeypatch.setitem(sys.modules, "te_integration._compat", stand_in)
+    # te.ops's layer too (``_compat_ops``), from its own stand-in.
+    import _fake_te_ops
+
+    ops_stand_in = types.ModuleType("te_integration._compat_ops")
+    for name, value in _fake_te_ops.compat_ops().items():
+        setattr(ops_stand_in, name, value)
+    monkeypatch.setitem(sys.modules, "te_integration._compat_ops", ops_stand_in)
     loaded = {}
     for name in modules:
         module = importlib.import_module(f"te_integration.{name}")

@@ -1,0 +1,116 @@
+"""``te.ops.GroupedLinear`` under the policy: what its drop-in's methods do.
+
+The op is found, as ``BasicLinear`` is, among the ops of a fuser call (the
+fuser Function seam in ``_adapter_ops`` pushes its record). Its forward
+quantizes and saves its weights in its own methods, not through
+``BasicLinear._functional_forward``, so the drop-in (``_modules_ops``)
+overrides those methods and calls these functions:
+
+* Both forward paths (``_fuser_forward_split_quantize`` and, where TE picks
+  it, ``_fuser_forward_grouped_tensor``) take ``input_requires_grad``,
+  whose only effects there are the weights' columnwise usage and whether
+  the quantized weights are saved. Under a plan that saves no workspace TE
+  runs with it False and the op saves the high-precision weights in their
+  places (the last of the saved tensors); backward's ``fuser_backward``
+  quantizes them again, with the plan's usages, before TE's backward reads
+  them. Under a plan that saves the workspace, what is saved keeps only
+  the usages backward reads (TE's grouped-tensor path saves both).
+* Each group's weight is planned under its own key (``weight0``, ...); the
+  groups share one call shape, so one plan.
+
+TE's grouped op ignores ``backward_override`` (it always runs a quantized
+backward), so its calls are planned without one. Calls TE handles by
+itself: no quantized compute, CUDA-graph capture, distributed weights
+(TE re-materializes them), a single grouped weight (``single_grouped_weight=True``:
+one ``GroupedTensor`` parameter, which only TE's grouped kernels quantize),
+and the fused grouped MLP (compute capability 10.x only), which does not
+call these methods.
+"""
+
+from __future__ import annotations
+
+from workspace_manager import BackwardSource, RecomputePass, RecomputeScope, Usage
+
+from . import _compat as te
+from ._call import ACTIVE, recompute_pass
+from ._rebuild import RebuildQuantizer
+
+__all__ = ["grouped_forward", "grouped_before_backward", "grouped_backward_levers"]
+
+_NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
+
+
+def _record_of(op):
+    record = ACTIVE.record
+    while record is not None and record.module is not op:
+        record = record.previous
+    return record
+
+
+def _weights(op) -> tuple[tuple[str, ...], list]:
+    keys = tuple(f"weight{i}" for i in range(op.num_groups))
+    return keys, [getattr(op, key) for key in keys]
+
+
+def _plan(op, record, kwargs, check) -> list:
+    """``[(weight, levers)]`` for each group of the call."""
+    keys, weights = _weights(op)
+    quantizers = kwargs["weight_quantizers"]
+    input_rg, weight_rg = kwargs["input_requires_grad"], kwargs["weight_requires_grad"]
+    recompute = recompute_pass() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else _NO_RECOMPUTE
+    planned = []
+    for key, weight, quantizer in zip(keys, weights, quantizers):
+        levers = record.state.levers(
+            op, record.sharding, key=key, weight=weight, quantizer=quantizer, grad=input_rg or weight_rg,
+            input_requires_grad=input_rg, is_first_microbatch=None, backward_override=None, recompute=recompute,
+            scope=_REGION,
+        )
+        check(levers)
+        planned.append((weight, levers))
+    return planned
+
+
+def grouped_forward(op, te_method, kwargs: dict, check):
+    """Run one of TE's forward paths of ``op`` as its plan says."""
+    record = _record_of(op) if kwargs.get("with_quantized_compute") else None
+    if (record is None or te.graph_flags._IS_GRAPH_CAPTURING or op._is_distributed_weight()
+            or op.single_grouped_weight):
+        return te_method(**kwargs)
+    planned = _plan(op, record, kwargs, check)
+    record.weights = tuple(item for pair in planned for item in pair)
+    levers = planned[0][1]
+    input_rg = kwargs["input_requires_grad"]
+    n = len(planned)
+    if levers.saves_no_workspace and not levers.is_quantized_param:
+        kwargs["input_requires_grad"] = False  # rowwise only, and no quantized weight saved
+        out, saved = te_method(**kwargs)
+        kept = tuple(w for w, _ in planned) if input_rg else (None,) * n
+        return out, saved[:-n] + kept
+    out, saved = te_method(**kwargs)
+    if levers.saves_columnwise_only:
+        for w in saved[-n:]:
+            if isinstance(w, te.QuantizedTensorStorage) and not levers.is_quantized_param:
+                w.update_usage(rowwise_usage=False, columnwise_usage=True)
+    return out, saved
+
+
+def grouped_backward_levers(op_ctx, record) -> None:
+    """Leave on the op's context the quantizers backward rebuilds with."""
+    weights = record.weights
+    levers = weights[1]
+    if levers.plan.backward_source is not BackwardSource.REQUANTIZE or not getattr(op_ctx, "input_requires_grad", 0):
+        return
+    usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
+    quantizers = op_ctx.weight_quantizers[:len(weights) // 2]
+    op_ctx._te_wm_rebuild = tuple(RebuildQuantizer(q, usage) for q in quantizers)
+
+
+def grouped_before_backward(op_ctx) -> None:
+    """Quantize the high-precision weights a plan saved, before TE's backward reads them."""
+    rebuild = getattr(op_ctx, "_te_wm_rebuild", None)
+    if rebuild is None:
+        return
+    op_ctx._te_wm_rebuild = None
+    saved, n = op_ctx.saved_tensors, len(rebuild)
+    weights = [q(w) if w is not None else None for q, w in zip(rebuild, saved[-n:])]
+    op_ctx.saved_tensors = tuple(saved[:-n]) + tuple(weights)

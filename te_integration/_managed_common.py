@@ -1,0 +1,38 @@
+"""What every drop-in's mixin shares (``_modules._ManagedModule`` for TE's
+modules, ``_modules_ops.ManagedOp`` for te.ops's ops): the pinned policy as
+a property, and the sharded quantized parameters trimmed to their plan
+after TE's ``reset_parameters`` and ``_load_from_state_dict`` (D10)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workspace_manager import WorkspacePolicy
+
+from ._shards import trim_sharded_parameters
+from ._state import state_of
+
+__all__ = ["ManagedCommon"]
+
+
+class ManagedCommon:
+    """Mixin base of the drop-ins' mixins; holds no state of its own."""
+
+    def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
+        super().reset_parameters(*args, **kwargs)
+        trim_sharded_parameters(self)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        trim_sharded_parameters(self)
+
+    @property
+    def workspace_policy(self) -> WorkspacePolicy | None:
+        """The policy pinned on this module (see :func:`set_workspace_policy`);
+        None lets the manager select one per call."""
+        state = self._wm_state
+        return state.policy if state is not None else None
+
+    @workspace_policy.setter
+    def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
+        state_of(self).policy = policy

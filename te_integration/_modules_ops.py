@@ -1,0 +1,90 @@
+"""Drop-in ``te.ops`` operations: ``OpsBasicLinear``, ``OpsGroupedLinear`` and ``OpsLinear``.
+
+``OpsBasicLinear`` is TE's ``te.ops.BasicLinear`` with one mixin in front;
+its plans are carried out by the te.ops seams (``_adapter_ops``), which find
+it among the ops of each fuser call. The mixin holds no workspace logic:
+it installs the seams before the op's first fuser call (TE calls every op's
+``pre_fuser_forward`` before looking up the fuser's autograd Function), and
+keeps sharded quantized parameters trimmed to their plan as the modules'
+mixin does. It adds no parameter, buffer or submodule, so ``state_dict`` is
+TE's. Being a subclass, it fuses as TE's op does (the fusion rules test
+``isinstance(op, BasicLinear)``).
+
+``OpsLinear`` is ``te.ops.Linear`` built with an ``OpsBasicLinear`` inside.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from . import _compat_ops as te_ops
+from . import _install
+from ._adapter_ops import check_levers
+from ._adapter_ops_grouped import grouped_before_backward, grouped_forward
+from ._managed_common import ManagedCommon
+from ._state import ModuleKind, ModuleWorkspaceState, state_of
+
+__all__ = ["OpsBasicLinear", "OpsGroupedLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
+
+
+class ManagedOp(ManagedCommon):
+    """Mixin placed before a te.ops basic operation class (see the module docstring)."""
+
+    _wm_kind: ClassVar[ModuleKind]
+    _wm_state: ModuleWorkspaceState | None = None
+    _wm_installed: bool = False
+
+    def pre_fuser_forward(self, *, requires_grad: bool) -> None:
+        if not self._wm_installed or not _install.INSTALLED:
+            _install.install()
+            state_of(self)
+            self.__dict__["_wm_installed"] = True
+        super().pre_fuser_forward(requires_grad=requires_grad)
+
+
+
+class OpsBasicLinear(ManagedOp, te_ops.BasicLinear):
+    """``te.ops.BasicLinear`` whose weight workspace follows a :class:`WorkspacePolicy`,
+    alone, inside ``te.ops.Linear`` and in every fused op built on it."""
+
+    _wm_kind = ModuleKind.OPS_BASIC_LINEAR
+
+
+def _check_grouped(levers) -> None:
+    check_levers(levers, ModuleKind.OPS_GROUPED_LINEAR)
+
+
+class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
+    """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
+    (each group's weight planned under its own key; see ``_adapter_ops_grouped``)."""
+
+    _wm_kind = ModuleKind.OPS_GROUPED_LINEAR
+
+    def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs, _check_grouped)
+
+    def _fuser_forward_grouped_tensor(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs, _check_grouped)
+
+    def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
+        grouped_before_backward(basic_op_ctxs[0])
+        return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
+
+
+class OpsLinear(te_ops.OpsLinear):
+    """``te.ops.Linear`` (same constructor) whose ``BasicLinear`` is an :class:`OpsBasicLinear`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for op in self.basic_ops:
+            if type(op) is te_ops.BasicLinear:
+                op.__class__ = OpsBasicLinear
+
+
+#: TE's op class -> its drop-in (what ``convert_model`` swaps).
+OPS_DROP_INS: dict[type, type] = {te_ops.BasicLinear: OpsBasicLinear, te_ops.GroupedLinear: OpsGroupedLinear}
+#: ``(TE module, name, drop-in)`` that ``managed_construction`` rebinds: the
+#: name ``te.ops.Linear`` builds its op from, and the public ``te.ops.BasicLinear``.
+OPS_CONSTRUCTION = ((te_ops.ops_linear_module, "BasicLinear", OpsBasicLinear),
+                    (te_ops.ops_package, "BasicLinear", OpsBasicLinear),
+                    (te_ops.ops_package, "GroupedLinear", OpsGroupedLinear))
