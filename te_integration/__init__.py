@@ -24,7 +24,7 @@ from ._modules import (
     workspace_state,
 )
 from ._construction import managed_construction
-from ._modules_ops import OpsBasicLinear, OpsLinear
+from ._modules_ops import OpsBasicLinear, OpsGroupedLinear, OpsLinear
 from ._levers import Levers
 from ._state import ModuleWorkspaceState
 from ._foreign_patches import ForeignPatchError
@@ -42,6 +42,7 @@ __all__ = [
     "LayerNormMLP",
     "GroupedLinear",
     "OpsBasicLinear",
+    "OpsGroupedLinear",
     "OpsLinear",
     "convert_model",
     "managed_construction",
