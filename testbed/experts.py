@@ -50,6 +50,9 @@ class ExpertStack(torch.nn.Sequential):
     def forward(self, x, is_first_microbatch=None, recompute: bool = False):
         """``recompute``: each block under ``te.checkpoint``."""
         splits = even_splits(x.shape[0], self.experts)
+        if any(getattr(block, "single_grouped_weight", False) for block in self):
+            # TE's grouped-tensor path, which one grouped weight needs, takes its splits on the GPU.
+            splits = torch.tensor(splits, dtype=torch.int64, device=x.device)
         for block in self:
             if recompute:
                 import transformer_engine.pytorch as te
@@ -65,7 +68,7 @@ class ExpertBlock(torch.nn.ModuleList):
     ``m_splits``, each part through its expert, concatenated again."""
 
     def forward(self, x, m_splits, is_first_microbatch=None):
-        parts = torch.split(x, list(m_splits))
+        parts = torch.split(x, m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits))
         return torch.cat([expert(part, is_first_microbatch=is_first_microbatch)
                           for expert, part in zip(self, parts)])
 
