@@ -7,12 +7,15 @@ concerned (no bias, no FP8 inputs, the GEMMs one per expert):
   weight) when ``is_first_microbatch`` is given, calls the Function through
   its file's global ``_GroupedLinear``, and stores the new workspaces it
   returns, between ``prepare_forward`` and ``end_forward``;
-* the split-quantize path quantizes each expert through the file's
-  ``quantize_weight`` (columnwise where dgrad follows) and saves
+* the split-quantize path (also taken under a recipe's ``backward_override``)
+  quantizes each expert through the file's ``quantize_weight`` (columnwise
+  where a quantized dgrad follows) and saves
   ``inputs, workspaces, weights (None), biases (None)`` through the file's
   ``prepare_for_saving``; its backward restores through the file's
   ``restore_from_func_ctx``, makes sure of each workspace's columnwise data
   and reads ``workspaces[0].shape`` for the weight gradients, as TE does;
+  under ``backward_override`` dgrad reads the workspaces dequantized, or the
+  high-precision weights saved for it (``"high_precision"``);
 * the grouped-tensor path (``use_grouped_tensor``) prepares the weights
   through ``_GroupedLinear._prepare_weights_for_grouped_tensor_gemm``
   (one grouped weight: one grouped quantization, TE's own cache entry) and
@@ -36,6 +39,17 @@ ARGS = {"is_first_microbatch": 0, "fp8": 1, "weight_quantizers": 2, "cpu_offload
 
 def _file() -> types.ModuleType:
     return fake._FILES["grouped"]
+
+
+#: The recipe's ``backward_override`` the stand-in reads (TE reads it from
+#: the recipe; :func:`set_backward_override` sets both views).
+RECIPE = types.SimpleNamespace(backward_override=None)
+
+
+def set_backward_override(binding_te: Any, override: str | None) -> None:
+    """The recipe's ``backward_override``, for the stand-in and the binding's ``_compat`` alike."""
+    RECIPE.backward_override = override
+    binding_te.FP8GlobalStateManager = types.SimpleNamespace(get_fp8_recipe=lambda: RECIPE)
 
 
 class GroupedWorkspace(fake.QuantizedTensorStorage):
@@ -113,6 +127,7 @@ def _prepare_weights(weights, quantizers, workspaces, *, num_gemms, single_group
         source = weights[0].rowwise_data.view(weights[0].logical_shape)
         if workspace is None:
             grouped = group_quantize(source, quantizer, num_gemms, None)
+            grouped.internal = not cache_weight  # TE makes a persistent entry a tensor: saved whole
         elif update:
             grouped = group_quantize(source, quantizer, num_gemms, None, output=workspace)
         else:
@@ -145,12 +160,15 @@ class GroupedFunction(torch.autograd.Function):
         count = len(m_splits)
         single, grad = nta[ARGS["single_grouped_weight"]], nta[ARGS["is_grad_enabled"]]
         weights = weights_and_biases[:1 if single else count]
-        if nta[ARGS["use_grouped_tensor"]]:
+        override = RECIPE.backward_override
+        if nta[ARGS["use_grouped_tensor"]] and override is None:  # TE's grouped-tensor path takes no override
             return _file()._GroupedLinear._forward_grouped_tensor(ctx, inp, m_splits, nta, weights)
+        if single:
+            raise RuntimeError("Single grouped parameters require the native grouped-tensor path")
         quantizers = nta[ARGS["weight_quantizers"]]
         if not isinstance(weights[0], fake.QuantizedTensorStorage):
             for quantizer in quantizers:
-                quantizer.set_usage(rowwise=True, columnwise=grad and inp.requires_grad)
+                quantizer.set_usage(rowwise=True, columnwise=grad and inp.requires_grad and override is None)
         else:
             quantizers = [w._quantizer for w in weights]
         first = nta[ARGS["is_first_microbatch"]]
@@ -165,8 +183,10 @@ class GroupedFunction(torch.autograd.Function):
         xs = inp.split(list(m_splits))
         result = torch.cat([_file().general_gemm(fp8[i], xs[i]) for i in range(count)])
         if ctx is not None and grad:
-            tensors, objects = _file().prepare_for_saving(*xs, *fp8, *([None] * count), *([None] * count))
+            kept = weights if override == "high_precision" and inp.requires_grad else [None] * count
+            tensors, objects = _file().prepare_for_saving(*xs, *fp8, *kept, *([None] * count))
             GroupedFunction._keep(ctx, tensors, objects, count, m_splits, inp, grouped=False)
+            ctx.backward_override = override
         return result, new
 
     @staticmethod
@@ -195,6 +215,7 @@ class GroupedFunction(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         ctx.tensor_objects, ctx.num_gemms, ctx.m_splits = objects, count, list(m_splits)
         ctx.grouped_tensor_supported, ctx.requires_dgrad = grouped, inp.requires_grad
+        ctx.backward_override = None
 
     @staticmethod
     def backward(ctx, grad_output, _grad_workspaces):
@@ -209,11 +230,16 @@ class GroupedFunction(torch.autograd.Function):
             GroupedFunction.backwards.append("split")
             xs, weights = saved[:count], saved[count:2 * count]
             _ = weights[0].shape  # TE sizes the weight gradients from the saved workspace
+            if ctx.backward_override == "dequantized":
+                weights = [w.dequantize() if isinstance(w, fake.QuantizedTensorStorage) else w for w in weights]
+            elif ctx.backward_override == "high_precision":
+                weights = saved[2 * count:3 * count]
         dgrad = None
         if ctx.requires_dgrad:
             if not isinstance(weights, GroupedWorkspace):
                 for weight in weights:
-                    weight.update_usage(columnwise_usage=True)
+                    if isinstance(weight, fake.QuantizedTensorStorage):
+                        weight.update_usage(columnwise_usage=True)
             dgrad = torch.cat([_dgrad(weights, i, dys[i]) for i in range(count)])
         wgrads = [dys[i].t() @ xs[i] for i in range(count)]
         if ctx.grouped_tensor_supported and ctx.single_grouped_weight:

@@ -41,13 +41,18 @@ class Setting:
     #: recomputed tensors)
     mode: str
     input_grad: bool
+    #: The recipe's backward_override (TE's grouped-tensor path takes none:
+    #: drawn for the discrete layouts, which fall back to the split-quantize path).
+    override: str | None = None
 
 
 @st.composite
 def settings_(draw) -> Setting:
     mode = draw(st.sampled_from(["plain", "no_grad", "recompute"]))
+    layout = draw(st.sampled_from(LAYOUTS))
     return Setting(
-        layout=draw(st.sampled_from(LAYOUTS)),
+        layout=layout,
+        override=None if layout[0] else draw(st.sampled_from([None, "high_precision", "dequantized"])),
         sharding=draw(st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])),
         microbatches=draw(st.sampled_from([(None,), (True, False, False)])),
         mode=mode, input_grad=True if mode == "recompute" else draw(st.booleans()),
@@ -87,6 +92,7 @@ def _slot_problem(slot: str, plan) -> str | None:
 
 
 def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> list[str]:
+    grouped.set_backward_override(ti.modules.te, setting.override)
     single, use_grouped = setting.layout
     stock, managed = (grouped.TEGroupedLinear(EXPERTS, IN, OUT, seed=3, single_grouped_weight=single,
                                               use_grouped_tensor=use_grouped) for _ in range(2))
@@ -121,12 +127,14 @@ def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> lis
 
 def _check_saved(ti, module, out, setting: Setting, where: str) -> list[str]:
     plan = ti.modules.last_plans(module)["weight"][1]
-    slots = _weight_slots(_saved_weight_parts(out.grad_fn, module), setting.layout)
+    single, use_grouped = setting.layout  # an override takes TE's split-quantize path
+    slots = _weight_slots(_saved_weight_parts(out.grad_fn, module), (single, use_grouped and not setting.override))
     return [f"{where}: {problem}" for slot in slots if (problem := _slot_problem(slot, plan)) is not None]
 
 
 @pytest.fixture
 def ti(monkeypatch):
+    monkeypatch.setattr(grouped.RECIPE, "backward_override", None)  # put back after each test
     return load_full_binding(monkeypatch)
 
 
