@@ -165,6 +165,10 @@ class GroupedFunction(torch.autograd.Function):
             return _file()._GroupedLinear._forward_grouped_tensor(ctx, inp, m_splits, nta, weights)
         if single:
             raise RuntimeError("Single grouped parameters require the native grouped-tensor path")
+        origin = weights
+        distributed = getattr(weights[0], "is_distributed_weight", False)
+        if distributed:  # TE gathers a DistributedWeight's shards for forward (here: a copy)
+            weights = [w.detach().clone() for w in weights]
         quantizers = nta[ARGS["weight_quantizers"]]
         if not isinstance(weights[0], fake.QuantizedTensorStorage):
             for quantizer in quantizers:
@@ -184,9 +188,11 @@ class GroupedFunction(torch.autograd.Function):
         result = torch.cat([_file().general_gemm(fp8[i], xs[i]) for i in range(count)])
         if ctx is not None and grad:
             kept = weights if override == "high_precision" and inp.requires_grad else [None] * count
+            if distributed:  # the gathered workspaces are not saved: backward gathers again
+                fp8, kept = [None] * count, origin
             tensors, objects = _file().prepare_for_saving(*xs, *fp8, *kept, *([None] * count))
             GroupedFunction._keep(ctx, tensors, objects, count, m_splits, inp, grouped=False)
-            ctx.backward_override = override
+            ctx.backward_override, ctx.weight_quantizers = override, quantizers
         return result, new
 
     @staticmethod
@@ -229,6 +235,8 @@ class GroupedFunction(torch.autograd.Function):
         else:
             GroupedFunction.backwards.append("split")
             xs, weights = saved[:count], saved[count:2 * count]
+            if getattr(saved[2 * count], "is_distributed_weight", False):  # gathered again, quantized for dgrad
+                weights = [q(w.detach().clone()) for q, w in zip(ctx.weight_quantizers, saved[2 * count:3 * count])]
             _ = weights[0].shape  # TE sizes the weight gradients from the saved workspace
             if ctx.backward_override == "dequantized":
                 weights = [w.dequantize() if isinstance(w, fake.QuantizedTensorStorage) else w for w in weights]

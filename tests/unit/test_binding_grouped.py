@@ -235,3 +235,19 @@ def test_each_expert_s_copy_is_attributed_under_its_own_key(ti):
     assert weights == [f"weight{i}" for i in range(EXPERTS)], report.entries
     plan = ti.modules.last_plans(managed)["weight"][1]
     assert all(e.record.decision == plan.summary() and e.nbytes > 0 for e in report.entries), report.entries
+
+
+def test_a_distributed_weight_keeps_te_s_gather_again_path(ti, monkeypatch):
+    """Experts held as TE DistributedWeights: the plan is the distributed
+    weight's (gathered again in backward, nothing saved), TE's own path runs
+    unchanged, and numerics equal stock's."""
+    monkeypatch.setattr(ti.modules.te, "is_distributed_weight", lambda weight: True)
+    stock, managed = _pair(ti, (False, False))
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR)
+    for module in (stock, managed):
+        for p in module.parameters():
+            p.is_distributed_weight = True
+    seen = _train(stock, managed)
+    assert all(slot == "none" for saved in seen for slot in _weight_slots(saved, (False, False))), seen
+    context, plan = ti.modules.last_plans(managed)["weight"]
+    assert context.sharding is Sharding.DISTRIBUTED_WEIGHT and plan.backward_source.name == "REGATHER"
