@@ -20,6 +20,7 @@ reported, docs/decisions.md "te.ops"); median step time within 1% of stock's.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -47,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="untimed warm-up steps per model")
     p.add_argument("--layers", type=h.positive_int, help="blocks of the ops stack (the MLP has half as many)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS")
+    p.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
     return p
 
 
@@ -142,8 +144,21 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
     return {"rows": rows, "timings": timings}
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """The configurations a run would measure; needs neither CUDA nor TE."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    jobs = plan(args, None, world, 141.0)
+    for job in jobs:
+        print(f"{job.label}  (about {job.estimate_s:.0f} s)")
+    print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s at world size {world}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return gpu_main(NAME, parse(argv), argv, plan, summarize)
+    args = parse(argv)
+    if args.dry_run:
+        return dry_run(args)
+    return gpu_main(NAME, args, argv, plan, summarize)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,12 @@ def test_summary_checks_the_issue_targets():
     assert by_metric["peak allocated over baseline"]["ok"] is True
     assert by_metric["forward rise per block"]["bf16"] == 16.0
     assert any("control" in r["case"] and r["ok"] is None for r in rows)
+
+
+def test_dry_run_lists_the_configurations_without_cuda_or_te(capsys):
+    from benchmarks import ops_memory
+
+    assert ops_memory.main(["--dry-run", "--recipes", "Float8CurrentScaling", "--inits", "bf16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("5 configuration(s)"), lines  # ops stack and MLP: FP8 and bf16; te.Linear stack
+    assert any(line.startswith("ops_stack Float8CurrentScaling bf16") for line in lines)
