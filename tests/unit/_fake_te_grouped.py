@@ -143,12 +143,6 @@ def _prepare_weights(weights, quantizers, workspaces, *, num_gemms, single_group
     return out, new
 
 
-def _expert_operand(weights, i: int, columnwise: bool):
-    if isinstance(weights, GroupedWorkspace):
-        return weights.expert(i, columnwise)
-    return weights[i]
-
-
 class GroupedFunction(torch.autograd.Function):
     #: How many times the stand-in's backward ran, per path.
     backwards: list = []

@@ -116,7 +116,6 @@ def test_unsharded_saves_only_the_columnwise_data_dgrad_reads(ti, layout):
 def test_stock_grouped_linear_keeps_both_usages(ti, layout):
     """The twin the drop-in is compared with: what TE saves (both usages), untouched by the seams."""
     stock, managed = _pair(ti, layout)
-    ti.modules.convert_model(managed)
     managed(_inputs(0)[1], SPLITS)  # installs the seams
     xs, _ = _inputs(1)
     _, saved = _step(stock, xs)
@@ -176,7 +175,7 @@ def test_the_plan_is_made_once_per_call_shape_not_per_expert(ti):
     assert list(ti.modules.last_plans(managed)) == ["weight"]
 
 
-def test_a_stock_grouped_linear_inside_no_grad_passes_through(ti):
+def test_under_no_grad_the_drop_in_computes_what_stock_does(ti):
     stock, managed = _pair(ti, (False, False))
     with torch.no_grad():
         a, b = stock(_inputs(3)[0], SPLITS), managed(_inputs(3)[1], SPLITS)
