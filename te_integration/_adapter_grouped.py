@@ -40,13 +40,13 @@ from workspace_manager import (
     RecomputePass,
     RecomputeScope,
     Sharding,
-    UnsupportedPlanError,
     Usage,
 )
 
 from . import _compat as te
 from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
 from ._functions import ModuleAdapter
+from ._plan_support import plan_refusal
 from ._quantize import expert_keys
 from ._rebuild import quantize_with_usage
 from ._release import BackwardWork
@@ -96,11 +96,10 @@ def _refuse_derived(levers) -> None:
     """One grouped weight has no columnwise data TE's backward could derive:
     ``GroupedTensorStorage`` has no ``update_usage``, and the grouped-tensor
     backward derives only for quantized storages."""
-    raise UnsupportedPlanError(
-        "TE 2.20 cannot carry out the plan for the grouped weight of a GroupedLinear(single_grouped_weight=True): "
+    raise plan_refusal(
+        "the grouped weight of a GroupedLinear(single_grouped_weight=True)",
         "columnwise_source=derived, but TE's grouped-tensor backward derives no columnwise data for a grouped "
-        f"weight; build it in forward (forward_usage=rowwise+columnwise) or requantize. Plan: {levers.plan.summary()}. "
-        f"Context: {levers.context}.")
+        "weight; build it in forward (forward_usage=rowwise+columnwise) or requantize", levers.context, levers.plan)
 
 
 def _edit_ctx(ctx, record, args: tuple) -> None:

@@ -60,7 +60,7 @@ from workspace_manager import (
     WorkspacePlan,
 )
 
-__all__ = ["unsupported_reason", "require_supported", "recompute_mismatch_reason", "require_same_passes"]
+__all__ = ["unsupported_reason", "require_supported", "plan_refusal", "recompute_mismatch_reason", "require_same_passes"]
 
 _HIGH_PRECISION_SOURCES = (BackwardSource.SAVED_WORKSPACE, BackwardSource.REQUANTIZE)
 
@@ -79,11 +79,16 @@ def require_supported(key: str, context: WorkspaceContext, plan: WorkspacePlan) 
     """Raise :class:`UnsupportedPlanError` when ``plan`` cannot run for ``context``."""
     reason = unsupported_reason(context, plan)
     if reason is not None:
-        raise UnsupportedPlanError(
-            f"TE 2.20 cannot carry out the plan for {key}: {reason}. Plan: {plan.summary()}. Context: {context}. "
-            "Change the policy so that it plans this context differently (te_integration.unsupported_reason "
-            "checks a plan without running TE)."
-        )
+        raise plan_refusal(key, reason, context, plan)
+
+
+def plan_refusal(key: str, reason: str, context: WorkspaceContext, plan: WorkspacePlan) -> UnsupportedPlanError:
+    """The error for a plan TE cannot carry out for ``key``, ``reason`` naming the field."""
+    return UnsupportedPlanError(
+        f"TE 2.20 cannot carry out the plan for {key}: {reason}. Plan: {plan.summary()}. Context: {context}. "
+        "Change the policy so that it plans this context differently (te_integration.unsupported_reason "
+        "checks a plan without running TE)."
+    )
 
 
 def recompute_mismatch_reason(first: WorkspacePlan, recompute: WorkspacePlan) -> str | None:

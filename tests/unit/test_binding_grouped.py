@@ -250,3 +250,17 @@ def test_a_distributed_weight_keeps_te_s_gather_again_path(ti, monkeypatch):
     assert all(slot == "none" for saved in seen for slot in _weight_slots(saved, (False, False))), seen
     context, plan = ti.modules.last_plans(managed)["weight"]
     assert context.sharding is Sharding.DISTRIBUTED_WEIGHT and plan.backward_source.name == "REGATHER"
+
+
+def test_columnwise_data_derived_in_backward_is_refused_for_one_grouped_weight(ti):
+    from workspace_manager import ColumnwiseSource, UnsupportedPlanError
+    from workspace_manager.testing.plans import DrawnPlanPolicy
+
+    def derived(ctx, plans):
+        return next((p for p in plans if p.columnwise_source is ColumnwiseSource.DERIVED), plans[0])
+
+    _, managed = _pair(ti, (True, True), policy=DrawnPlanPolicy(chooser=derived))
+    with pytest.raises(UnsupportedPlanError, match="columnwise_source=derived.*Context"):
+        managed(_inputs(0)[1], SPLITS)
+    _, discrete = _pair(ti, (False, True), policy=DrawnPlanPolicy(chooser=derived))
+    discrete(_inputs(0)[1], SPLITS).sum().backward()  # discrete weights derive it in TE's backward
