@@ -29,7 +29,7 @@ call these methods.
 
 from __future__ import annotations
 
-from workspace_manager import BackwardSource, RecomputePass, RecomputeScope, Usage
+from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
 from . import _compat as te
 from ._call import ACTIVE, recompute_pass
@@ -95,10 +95,19 @@ def grouped_forward(op, te_method, kwargs: dict, check):
 
 
 def grouped_backward_levers(op_ctx, record) -> None:
-    """Leave on the op's context the quantizers backward rebuilds with."""
+    """Leave on the op's context what backward does before TE's: the
+    quantizers it rebuilds with, or the number of quantized parameters whose
+    columnwise data it derives."""
     weights = record.weights
     levers = weights[1]
-    if levers.plan.backward_source is not BackwardSource.REQUANTIZE or not getattr(op_ctx, "input_requires_grad", 0):
+    if not getattr(op_ctx, "input_requires_grad", 0):
+        return
+    if levers.is_quantized_param and levers.plan.columnwise_source is ColumnwiseSource.DERIVED:
+        # TE's grouped op reads the parameters' columnwise data as it finds it
+        # and derives none; the plan's release dropped it after the last backward.
+        op_ctx._te_wm_derive = len(weights) // 2
+        return
+    if levers.plan.backward_source is not BackwardSource.REQUANTIZE:
         return
     usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
     quantizers = op_ctx.weight_quantizers[:len(weights) // 2]
@@ -106,7 +115,15 @@ def grouped_backward_levers(op_ctx, record) -> None:
 
 
 def grouped_before_backward(op_ctx) -> None:
-    """Quantize the high-precision weights a plan saved, before TE's backward reads them."""
+    """Quantize the high-precision weights a plan saved, or derive the
+    columnwise data of the quantized parameters it saved, before TE's
+    backward reads them."""
+    derive = getattr(op_ctx, "_te_wm_derive", 0)
+    if derive:
+        op_ctx._te_wm_derive = 0
+        for w in op_ctx.saved_tensors[-derive:]:
+            if isinstance(w, te.QuantizedTensorStorage):
+                w.update_usage(columnwise_usage=True)
     rebuild = getattr(op_ctx, "_te_wm_rebuild", None)
     if rebuild is None:
         return

@@ -63,9 +63,23 @@ class ExpertStack(torch.nn.Sequential):
         return x
 
 
-class ExpertBlock(torch.nn.ModuleList):
+class ExpertBlock(torch.nn.Module):
     """One expert per module (``te.Linear``): the rows of ``x`` split by
-    ``m_splits``, each part through its expert, concatenated again."""
+    ``m_splits``, each part through its expert, concatenated again. The
+    experts are children ``0``, ``1``, ... A plain ``Module``, not a
+    ``ModuleList``: the ``fully_shard`` of torch 2.11 refuses every
+    ``ModuleList`` (later versions accept one that defines ``forward``)."""
+
+    def __init__(self, experts) -> None:
+        super().__init__()
+        for i, expert in enumerate(experts):
+            self.add_module(str(i), expert)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def forward(self, x, m_splits, is_first_microbatch=None):
         parts = torch.split(x, m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits))

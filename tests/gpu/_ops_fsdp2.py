@@ -6,7 +6,8 @@ weights, two models (``testbed.ops_model``, small sizes): the stack of
 (LayerNorm, Linear + bias, GELU, Linear + bias), each block and the root
 ``fully_shard``-ed, stock and converted, trained the same steps
 (``testbed.ops_measure``); also the ``te.Linear`` stack for reference.
-Rank 0 writes, per case: losses, per-block forward rise, peak, whether every
+Rank 0 writes, per case: losses, per-block forward rise and kept memory
+(``testbed.ops_measure``), memory held after the step, peak, whether every
 parameter gradient shard equals stock's, and each drop-in's plans; and the
 cases stock TE itself fails here (``stock_failures``, with TE's error).
 """
@@ -89,9 +90,13 @@ def _case(report: dict, recipe_name: str, qinit: bool) -> None:
             "losses_stock": stock["losses"], "losses_managed": managed["losses"],
             "losses_identical": stock["losses"] == managed["losses"], "grads_identical": same,
             "rise_stock": stock["rise_per_block"], "rise_managed": managed["rise_per_block"],
+            "kept_stock": stock["kept_per_block"], "kept_managed": managed["kept_per_block"],
+            "after_step_stock": stock["held_after_step"], "after_step_managed": managed["held_after_step"],
             "peak_stock": stock["peak"], "peak_managed": managed["peak"], "plans": managed["plans"]}
     reference = _run(lambda **kw: build_linear_stack(HIDDEN, LAYERS, **kw), False, recipe, qinit)
     report["cases"][f"{label}/te_linear_stack"] = {"rise_stock": reference["rise_per_block"],
+                                                   "kept_stock": reference["kept_per_block"],
+                                                   "after_step_stock": reference["held_after_step"],
                                                    "peak_stock": reference["peak"]}
 
 

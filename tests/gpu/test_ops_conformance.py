@@ -10,11 +10,15 @@ holding columnwise data only, where the plan saves the workspace; a
 storage rebuilt in backward with columnwise data only where it requantizes;
 the quantized parameter itself). The memory a call holds from forward to
 backward is compared with stock's: lower by the columnwise copy of each
-weight under the FSDP2 plan, equal otherwise. GroupedLinear's memory and
+weight under the FSDP2 plan, equal otherwise, from the second step on (each
+step's tensors are dropped before the next forward, so its marks see no
+memory of the step before freed). GroupedLinear's memory and
 plans are checked the same way (its GEMMs are grouped kernels).
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -38,11 +42,16 @@ def _held(case: OpsCase, recipe, managed: bool) -> tuple[list, object]:
     def between(step, out):
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated() - before["bytes"])
+        gc.enable()
 
     def run_with_marks():
         original = model.forward
 
         def forward(*args):
+            # No garbage collection between the marks: it would free what
+            # earlier steps left in reference cycles at a moment of its choosing.
+            gc.collect()
+            gc.disable()
             torch.cuda.synchronize()
             before["bytes"] = torch.cuda.memory_allocated()
             return original(*args)
@@ -50,7 +59,10 @@ def _held(case: OpsCase, recipe, managed: bool) -> tuple[list, object]:
         model.forward = forward
         return run(model, case, recipe, between=between)
 
-    run_with_marks()
+    try:
+        run_with_marks()
+    finally:
+        gc.enable()
     return held, model
 
 
@@ -98,7 +110,9 @@ def test_te_ops_calls_match_their_plans(recipe_name, quantized_init, form, shard
     copies = (1 if requantized else 0) + (1 if form == "grouped" and _grouped_tensor_path(recipe) else 0)
     if quantized_init:
         copies = 0
-    saved = [s - m for s, m in zip(stock_held, managed_held)]
+    # Step 0 is left out: the first calls of a process allocate once for good
+    # (cuBLAS workspaces, TE's scratch buffers), in whichever model runs first.
+    saved = [s - m for s, m in zip(stock_held[1:], managed_held[1:])]
     low, high = copies * weight_bytes, copies * (1.1 * weight_bytes + 4096)
     assert all(low <= d <= high for d in saved), (case.label, saved, weight_bytes, copies)
     if form == "grouped":

@@ -76,6 +76,16 @@ def test_the_reference_block_runs_each_experts_rows_through_its_own_weight():
     assert torch.allclose(out, expected) and Expert.seen == [True] * 3
 
 
+def test_the_reference_block_is_no_container_that_fully_shard_of_torch_2_11_refuses():
+    """torch 2.11's ``fully_shard`` raises on any ``ModuleList`` or
+    ``ModuleDict``, even one with a ``forward`` (later versions accept
+    that); the GPU machine runs 2.11. The experts stay children 0, 1, ..."""
+    block = experts.ExpertBlock([Expert(3, 3, bias=False) for _ in range(2)])
+    assert not isinstance(block, (torch.nn.ModuleList, torch.nn.ModuleDict))
+    assert [name for name, _ in block.named_children()] == ["0", "1"] and len(block) == 2
+    assert [n for n, _ in block.named_parameters()] == ["0.weight", "1.weight"]
+
+
 def test_expert_weights_reads_one_parameter_per_expert():
     weights = [torch.full((2, 3), float(i)) for i in range(3)]
     block = SimpleNamespace(num_gemms=3, out_features=2, in_features=3, single_grouped_weight=False,

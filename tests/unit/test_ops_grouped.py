@@ -53,3 +53,45 @@ def test_grouped_default_plans_are_carried_out_and_match_stock(ti, sharding, ten
         assert len(grouped_saved) == 0
         assert forward[:GROUPS] == [{"rowwise": True, "columnwise": False}] * GROUPS
         assert all(any(t is getattr(grouped, f"weight{i}") for t in saved_tensors) for i in range(GROUPS))
+
+
+def _qparam_levers(columnwise):
+    from types import SimpleNamespace
+
+    from workspace_manager import BackwardSource
+
+    plan = SimpleNamespace(columnwise_source=columnwise, backward_source=BackwardSource.SAVED_PARAMETER)
+    return SimpleNamespace(is_quantized_param=True, plan=plan)
+
+
+def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_quantized_params(ti):
+    """TE's te.ops GroupedLinear saves quantized parameters as they are and
+    derives no columnwise data in backward; the plan's release dropped it
+    after the last backward, and DelayedScaling's fused FusedAdam step does
+    not make it again. So the drop-in derives it before TE's backward reads it."""
+    import sys
+    from types import SimpleNamespace
+
+    from workspace_manager import ColumnwiseSource
+
+    grouped = sys.modules["te_integration._adapter_ops_grouped"]
+    quantizer = _fake_te.Float8CurrentScalingQuantizer()
+    params = [quantizer.quantize(torch.randn(OUT, IN)) for _ in range(GROUPS)]
+    for p in params:
+        p.update_usage(columnwise_usage=False)  # what the release after the last backward left
+    levers = _qparam_levers(ColumnwiseSource.DERIVED)
+    record = SimpleNamespace(weights=tuple(x for p in params for x in (p, levers)))
+    ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=(torch.ones(1), *params))
+    grouped.grouped_backward_levers(ctx, record)
+    grouped.grouped_before_backward(ctx)
+    assert all(p.get_usages() == {"rowwise": True, "columnwise": True} for p in params)
+    assert all(torch.equal(p._transpose, p._data.t()) for p in params)
+    # A parameter that carries its columnwise data since it was made is left as it is.
+    kept = [quantizer.quantize(torch.randn(OUT, IN)) for _ in range(GROUPS)]
+    for p in kept:
+        p.update_usage(columnwise_usage=False)
+    record = SimpleNamespace(weights=tuple(x for p in kept for x in (p, _qparam_levers(ColumnwiseSource.PARAMETER))))
+    ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=tuple(kept))
+    grouped.grouped_backward_levers(ctx, record)
+    grouped.grouped_before_backward(ctx)
+    assert all(not p.get_usages()["columnwise"] for p in kept)
