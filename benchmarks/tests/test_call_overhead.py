@@ -71,3 +71,23 @@ def test_each_recipe_is_checked_on_its_own_and_one_expert_count_is_not_a_check()
     [check] = co.expert_growth(rows)
     assert check["recipe"] == "DelayedScaling" and not check["ok"]
     assert co.expert_growth([row("GroupedLinear:8", 1.0)]) == []
+
+
+def counted(kind: str, calls: float, recipe: str = "Float8CurrentScaling") -> dict:
+    return row(kind, 1.0, recipe=recipe) | {"added_calls": calls}
+
+
+def test_counted_calls_that_stay_flat_with_the_experts_meet_the_call_check():
+    [check] = co.call_growth([counted("GroupedLinear:8", 22.0), counted("GroupedLinear:64", 22.0)])
+    assert check["ok"] and check["per_expert"] == 0.0 and check["experts"] == (8, 64)
+
+
+def test_one_counted_call_per_expert_fails_the_call_check_and_the_summary_says_so():
+    rows = [counted("GroupedLinear:8", 30.0), counted("GroupedLinear:64", 86.0)]
+    [check] = co.call_growth(rows)
+    assert not check["ok"] and check["per_expert"] == pytest.approx(1.0)
+    assert "+1.00 per extra expert: MISSED: the drop-in adds calls per expert" in co.summary(rows)
+
+
+def test_rows_without_counted_calls_make_no_call_check():
+    assert co.call_growth([row("GroupedLinear:8", 1.0), row("GroupedLinear:64", 1.0)]) == []
