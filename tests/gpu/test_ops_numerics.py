@@ -37,8 +37,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning",
                                                         "ignore::FutureWarning")]
 
 
-def _at(records: list, *steps: int) -> list:
-    return [r for r in records if r[1] in steps]
+def _first_step_and_next_output(records: list) -> list:
+    """What the scale's age cannot change: all of step 0, and step 1's output."""
+    return [r for r in records if r[1] == 0 or (r[1] == 1 and r[0] == "out")]
 
 
 def _finite(records: list) -> bool:
@@ -68,10 +69,9 @@ def test_te_ops_drop_in_matches_stock_bit_for_bit(recipe_name, quantized_init, f
     managed = run(managed_model, case, recipe, **options)
     assert fused_forms(managed_model) == fused_forms(stock_model), case.label
     if delayed and requantized:
-        first = [r for r in _at(stock, 0)] + [r for r in _at(stock, 1) if r[0] == "out"]
-        first_managed = [r for r in _at(managed, 0)] + [r for r in _at(managed, 1) if r[0] == "out"]
-        assert not differences(first, first_managed), f"{case.label}: " + "; ".join(
-            differences(first, first_managed)[:5])
+        found = differences(_first_step_and_next_output(stock), _first_step_and_next_output(managed))
+        assert not found, f"{case.label}: " + "; ".join(found[:5])
         assert _finite(managed), case.label
         return
-    assert not differences(stock, managed), f"{case.label}: " + "; ".join(differences(stock, managed)[:5])
+    found = differences(stock, managed)
+    assert not found, f"{case.label}: " + "; ".join(found[:5])
