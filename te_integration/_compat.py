@@ -263,6 +263,9 @@ _SENTINELS = {
     linear_module._linear_backward_impl: ["weight_fp8 = bwd_args.weight_quantizer(saved_weight)"],
     is_fp8_activation_recompute_enabled: ["return _IN_ACTIVATION_RECOMPUTE_REGION and"],
     is_graph_capturing: ["return _IS_GRAPH_CAPTURING"],
+    # The quantize_weight seam makes the last call itself, for an uncached high-precision weight.
+    quantize_weight: ["if isinstance(tensor, QuantizedTensor):", "if workspace is not None:",
+                      "out = quantizer.quantize(tensor, dtype=workspace_dtype)"],
     # GroupedLinear: what each path saves and restores, by position (the
     # saving seam swaps the weights' slots), and the module's cache.
     GroupedFunction.forward: ["*inputmats,\n                *weights_fp8,\n                *saved_weights,\n                *biases,",

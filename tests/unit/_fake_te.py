@@ -95,7 +95,7 @@ class Float8CurrentScalingQuantizer:
         if columnwise is not None:
             self.columnwise_usage = columnwise
 
-    def quantize(self, tensor: torch.Tensor) -> Workspace:
+    def quantize(self, tensor: torch.Tensor, *, dtype=None) -> Workspace:
         data = _round(tensor)
         return Workspace(data if self.rowwise_usage else None,
                          data.t().contiguous() if self.columnwise_usage else None, tensor, self)

@@ -52,8 +52,15 @@ def _files() -> dict[str, str]:
         """,
         "pytorch/module/grouped_linear.py": _grouped_linear_source(),
         "pytorch/module/base.py": """
-            def quantize_weight(**kwargs):
-                return None, None
+            class QuantizedTensor:
+                pass
+            def quantize_weight(*, tensor=None, quantizer=None, workspace=None, workspace_dtype=None, **kwargs):
+                if isinstance(tensor, QuantizedTensor):
+                    return tensor, None
+                if workspace is not None:
+                    return workspace, None
+                out = quantizer.quantize(tensor, dtype=workspace_dtype)
+                return out, None
             def _is_weight_workspace_valid(workspace, quantizer):
                 return True
             class TransformerEngineBaseModule:

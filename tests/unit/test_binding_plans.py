@@ -320,14 +320,22 @@ def test_layernorm_mlp_own_recompute_reads_a_cache_only_if_requantization_is_exa
         assert plan.cache.value == expected
 
 
-def _saving_quantizer(name: str) -> type:
+def _saving_quantizer(name: str, made: list | None = None) -> type:
     """A stand-in quantizer with the usages the quantize_weight seam sets,
-    named as TE's class so the registry's TE profiles describe it."""
+    named as TE's class so the registry's TE profiles describe it. Its
+    ``quantize`` (which the seam calls for an uncached weight, as TE's
+    quantize_weight does) appends what it makes to ``made``."""
     def set_usage(self, *, rowwise=None, columnwise=None):
         self.rowwise_usage = self.rowwise_usage if rowwise is None else rowwise
         self.columnwise_usage = self.columnwise_usage if columnwise is None else columnwise
 
-    return _quantizer_class(name, rowwise_usage=True, columnwise_usage=True, set_usage=set_usage)
+    def quantize(self, tensor, *, dtype=None):
+        out = SimpleNamespace(source=tensor, columnwise=self.columnwise_usage)
+        if made is not None:
+            made.append(out)
+        return out
+
+    return _quantizer_class(name, rowwise_usage=True, columnwise_usage=True, set_usage=set_usage, quantize=quantize)
 
 
 def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(binding, monkeypatch):
@@ -337,16 +345,15 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     TE with it off and hands FC1's workspace to TE's prepare_for_saving as
     None: backward rebuilds FC1 and reads FC2's saved copy."""
     module = _module(binding, "lnmlp", Sharding.FSDP2_RESHARD, BUILD_ONCE)
-    nta = list(_mlp_nta(_saving_quantizer("Float8CurrentScalingQuantizer"), checkpoint=False,
-                        recompute_for_bwd=False))
-    nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer")()
-    _in_te_checkpoint(binding, recompute=True)
     made, saved = [], []
+    nta = list(_mlp_nta(_saving_quantizer("Float8CurrentScalingQuantizer", made), checkpoint=False,
+                        recompute_for_bwd=False))
+    nta[MLP["fc1_weight_quantizer"]] = _saving_quantizer("Float8Quantizer", made)()
+    _in_te_checkpoint(binding, recompute=True)
     compat = binding.te
 
-    def quantize_weight(*, tensor=None, quantizer=None, **_):
-        made.append(SimpleNamespace(source=tensor, columnwise=quantizer.columnwise_usage))
-        return made[-1], None
+    def quantize_weight(**_):
+        raise AssertionError("an uncached weight is quantized by its quantizer, not through TE's quantize_weight")
 
     def forward(ctx, inp, ln_w, ln_b, fc1_w, fc1_ws, fc1_b, fc2_w, fc2_ws, fc2_b, args):
         # TE's order: quantize both weights through the module global, then save (layernorm_mlp.py:807).

@@ -77,6 +77,33 @@ def _grouped_extra(ti, experts: int, sharding) -> tuple[float, dict]:
     return sum(added.values()), added
 
 
+def _grouped_net(ti, experts: int) -> float:
+    """Every call (the stand-in's too) a drop-in GroupedLinear call makes over stock's, unsharded."""
+    import _fake_te_grouped as grouped
+    from workspace_manager import Sharding
+    from workspace_manager.testing.plans import FixedSharding
+
+    splits = [2] * experts
+    x = torch.randn(sum(splits), 8, requires_grad=True)
+    stock = grouped.TEGroupedLinear(experts, 8, 8, seed=1)
+    managed = ti.modules.convert_model(grouped.TEGroupedLinear(experts, 8, 8, seed=1))
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR,
+                                                                  probe=FixedSharding(Sharding.NONE))
+    managed(x, splits).sum().backward()
+    ti.install.uninstall()
+    stock_calls = count_calls(lambda: stock(x, splits).sum().backward())
+    managed_calls = count_calls(lambda: managed(x, splits).sum().backward())
+    ti.install.install()
+    return sum(managed_calls.values()) - sum(stock_calls.values())
+
+
+def test_an_unsharded_grouped_linear_call_makes_no_call_per_expert_over_stock(ti):
+    """The quantize_weight seam makes the quantizer call TE's own function
+    would make, so it takes the place of TE's frame inside TE's loop over
+    the experts instead of adding one: 8 experts cost what 2 cost."""
+    assert _grouped_net(ti, 8) == _grouped_net(ti, 2)
+
+
 @pytest.mark.parametrize("sharding", ["none", "fsdp2_reshard"])
 def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti, sharding):
     """One plan per call: a GroupedLinear call adds about the dense budget,
@@ -94,7 +121,7 @@ def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti
     # Over the dense budget: the saving pair's frames; under FSDP2 the
     # rebuild's objects and frames, and the stand-in quantizer's builtins.
     assert 0 < few <= BUDGET + (24 if sharding.is_fsdp2 else 8), (few, few_where)
-    # Our frames per expert: the quantize_weight seam; under FSDP2 also the rebuild.
+    # Our frames per expert: the quantize_weight seam (in place of TE's); under FSDP2 also the rebuild.
     assert per_expert <= (2 if sharding.is_fsdp2 else 1), f"{per_expert} of our calls per expert: {ours}"
     if not sharding.is_fsdp2:
         assert (many - few) / 6 <= 1, f"{(many - few) / 6} calls per expert: {many_where}"

@@ -92,8 +92,11 @@ def test_the_issue_example_a_linear_without_linear_eager(tmp_path):
         ("module/layernorm_linear.py", "(_unused0, is_first_microbatch,", "(_unused0, first_microbatch,",
          "non_tensor_args[1] is no longer 'is_first_microbatch'"),
         ("module/linear.py", "'backward_override', ", "", "has no field 'backward_override'"),
+        ("module/base.py", "out = quantizer.quantize(tensor, dtype=workspace_dtype)",
+         "out = quantizer.quantize(tensor)", "quantize_weight (transformer_engine/pytorch/module/base.py) no "
+         "longer contains"),
     ],
-    ids=["code_line", "tuple_position", "dataclass_field"],
+    ids=["code_line", "tuple_position", "dataclass_field", "quantize_weight_line"],
 )
 def test_a_changed_shape_is_refused_naming_the_change(tmp_path, file, old, new, expected):
     root = write_te_tree(tmp_path)
