@@ -146,10 +146,7 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
                                     skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
         return out, True
     if action is CacheAction.READ_ONLY:  # missed: a fresh workspace, not stored
-        # TE's quantize_weight makes this one call for a high-precision weight
-        # without workspace or cache (a sentinel in _compat holds the line).
-        # Made here, the seam's frame takes the place of TE's instead of adding
-        # one: a GroupedLinear call adds no Python frame per expert.
+        # TE's own uncached call, made here as in managed_quantize_weight.
         out = quantizer.quantize(tensor, dtype=workspace_dtype)
         return out, False
     out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=None, update_workspace=True,
