@@ -193,26 +193,73 @@ def cached_workspaces(model: torch.nn.Module) -> int:
 
 
 class QuantizationCounter:
-    """Counts real weight quantizations (cache hits without refresh
-    excluded), stock and drop-in alike: both reach TE's ``quantize_weight``
-    through ``te_integration._compat`` once the seams are installed."""
+    """Counts real weight quantizations in forward (cache hits without
+    refresh excluded), stock and drop-in alike.
 
-    def __init__(self) -> None:
-        from te_integration import _compat
+    A new workspace is counted where it is made: TE's ``quantize_weight``
+    makes it with ``quantizer.quantize(tensor, dtype=...)``, and the drop-in's
+    seam makes that same call itself for an uncached weight, so the counter
+    wraps ``quantize`` on TE's quantizer classes and counts the calls that
+    pass ``dtype`` (no other TE caller does; activations and backward rebuilds
+    call the quantizer without it). A refreshed cache entry is counted at
+    ``quantize_weight`` (through ``te_integration._compat``), where it returns
+    the workspace it was handed."""
 
-        self.compat, self.original, self.count = _compat, _compat.quantize_weight, 0
+    def __init__(self, compat: Any = None, quantizer_base: type | None = None,
+                 quantized: type | None = None) -> None:
+        # The three are TE's unless given (the CPU test gives stand-ins).
+        if compat is None:
+            from te_integration import _compat as compat
+        if quantizer_base is None or quantized is None:
+            from transformer_engine.pytorch.quantized_tensor import QuantizedTensor, Quantizer
+
+            quantizer_base, quantized = quantizer_base or Quantizer, quantized or QuantizedTensor
+        self.compat, self.original, self.count = compat, compat.quantize_weight, 0
+        self._base, self._quantized = quantizer_base, quantized
+        self._patched: list[tuple[type, Any]] = []
+        self._depth = 0
 
     def __enter__(self) -> QuantizationCounter:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
         def counting(**kw):
-            hp = not isinstance(kw.get("tensor"), QuantizedTensor)
-            if hp and (kw.get("workspace") is None or kw.get("update_workspace", True)):
+            out, new = self.original(**kw)
+            refreshed = kw.get("update_workspace", True) or kw.get("skip_update_flag") is not None
+            if kw.get("workspace") is not None and out is kw["workspace"] and refreshed:
                 self.count += 1
-            return self.original(**kw)
+            return out, new
 
         self.compat.quantize_weight = counting
+        for cls in _with_own_quantize(self._base):
+            self._patched.append((cls, cls.__dict__["quantize"]))
+            cls.quantize = self._counting_quantize(cls.__dict__["quantize"], self._quantized)
         return self
+
+    def _counting_quantize(self, original: Any, quantized: type) -> Any:
+        def quantize(quantizer, tensor, *args, **kw):
+            # Outermost call only: an override may call its base's quantize.
+            outer = self._depth == 0
+            if outer and "dtype" in kw and kw.get("out") is None and not isinstance(tensor, quantized):
+                self.count += 1
+            self._depth += 1
+            try:
+                return original(quantizer, tensor, *args, **kw)
+            finally:
+                self._depth -= 1
+
+        return quantize
 
     def __exit__(self, *exc: Any) -> None:
         self.compat.quantize_weight = self.original
+        for cls, original in reversed(self._patched):
+            cls.quantize = original
+        self._patched.clear()
+
+
+def _with_own_quantize(base: type) -> list[type]:
+    """``base`` and every subclass loaded now that defines its own ``quantize``."""
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "quantize" in cls.__dict__ and cls not in found:
+            found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found

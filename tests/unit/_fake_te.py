@@ -125,7 +125,7 @@ def quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_works
         if update_workspace:
             quantizer.update_quantized(tensor, workspace)
         return workspace, None
-    ws = quantizer.quantize(tensor)
+    ws = quantizer.quantize(tensor, dtype=workspace_dtype)  # TE's miss call, dtype and all
     ws.internal = not cache
     return ws, (ws if cache else None)
 
