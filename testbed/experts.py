@@ -24,8 +24,12 @@ import torch
 
 from .model import pin_policy, shard
 
-__all__ = ["ExpertBlock", "ExpertStack", "build_expert_reference", "build_expert_stack", "even_splits",
-           "expert_weights"]
+__all__ = ["RECOMPUTE_MODES", "ExpertBlock", "ExpertStack", "build_expert_reference", "build_expert_stack",
+           "even_splits", "expert_weights"]
+
+#: How :class:`ExpertStack` runs its blocks: plainly, or each under
+#: ``te.checkpoint`` in its reentrant (TE's default) or non-reentrant form.
+RECOMPUTE_MODES = (None, "reentrant", "non_reentrant")
 
 
 def even_splits(tokens: int, experts: int) -> list[int]:
@@ -47,8 +51,11 @@ class ExpertStack(torch.nn.Sequential):
         super().__init__(*blocks)
         self.experts = experts
 
-    def forward(self, x, is_first_microbatch=None, recompute: bool = False):
-        """``recompute``: each block under ``te.checkpoint``."""
+    def forward(self, x, is_first_microbatch=None, recompute: str | None = None):
+        """``recompute``: each block under ``te.checkpoint``, ``"reentrant"``
+        (TE's default) or ``"non_reentrant"`` (``use_reentrant=False``)."""
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         splits = even_splits(x.shape[0], self.experts)
         if any(getattr(block, "single_grouped_weight", False) for block in self):
             # TE's grouped-tensor path, which one grouped weight needs, takes its splits on the GPU.
@@ -57,7 +64,8 @@ class ExpertStack(torch.nn.Sequential):
             if recompute:
                 import transformer_engine.pytorch as te
 
-                x = te.checkpoint(block, x, splits, is_first_microbatch=is_first_microbatch)
+                x = te.checkpoint(block, x, splits, is_first_microbatch=is_first_microbatch,
+                                  use_reentrant=recompute == "reentrant")
             else:
                 x = block(x, splits, is_first_microbatch=is_first_microbatch)
         return x

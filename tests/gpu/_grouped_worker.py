@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from testbed.dist import guard, run_worker  # noqa: E402
-from testbed.experts import build_expert_reference, build_expert_stack  # noqa: E402
+from testbed.experts import RECOMPUTE_MODES, build_expert_reference, build_expert_stack  # noqa: E402
 from testbed.model import optimizer_for, release_memory  # noqa: E402
 from testbed.recipes import make_recipe, recipe_skip_reason  # noqa: E402
 
@@ -171,7 +171,7 @@ def _cases(report: dict):
             for sharding in SHARDINGS:
                 for qinit in (False, True):
                     for microbatches in (False, True):
-                        for recompute in (False, True):
+                        for recompute in RECOMPUTE_MODES:
                             yield {"recipe": recipe, "single": single, "sharding": sharding, "qinit": qinit,
                                    "microbatches": microbatches, "recompute": recompute}
 

@@ -43,6 +43,8 @@ def test_every_case_ran(report, capsys):
     errors = [e for e in report["errors"] if not _known_te_failure(report, e["where"], e["traceback"])]
     assert not errors, "\n\n".join(e["where"] + "\n" + e["traceback"][-3000:] for e in errors)
     assert len(list(_cases(report))) >= 48
+    # Every recompute mode, te.checkpoint's non-reentrant form too, ran in both variants.
+    assert {case["recompute"] for case, _ in _cases(report)} == {None, "reentrant", "non_reentrant"}
     with capsys.disabled():
         print(f"\ngrouped: world size {report['world_size']}, cuBLASLt {report['cublaslt']}, grouped-tensor path "
               f"{report['grouped_tensor_path']}, {len(report['cases'])} cases")
@@ -113,7 +115,7 @@ def _expected_slots(case, plan: str) -> dict:
 
 def test_what_backward_is_handed_matches_the_plan(report):
     bad, checked = [], 0
-    for case, entry in _cases(report, single=False, recompute=False):
+    for case, entry in _cases(report, single=False, recompute=None):
         want = _expected_slots(case, entry["managed"]["plan"])
         assert len(entry["managed"]["saved"]) == 2, case
         for block, got in enumerate(entry["managed"]["saved"]):
@@ -126,7 +128,7 @@ def test_what_backward_is_handed_matches_the_plan(report):
 def test_stock_saves_both_usages_where_the_drop_in_saves_less(report):
     """The contrast the drop-in's savings are measured against."""
     seen = 0
-    for case, entry in _cases(report, single=False, recompute=False, qinit=False, microbatches=False):
+    for case, entry in _cases(report, single=False, recompute=None, qinit=False, microbatches=False):
         seen += 1
         for got in entry["stock"]["saved"]:
             assert got.get("row") == 4 and got.get("col") == 4, (case, got)
@@ -163,10 +165,10 @@ def test_fsdp2_keep_quantized_params_train_as_with_resharding_where_stock_reads_
     checked = 0
     for recipe in ("DelayedScaling", "Float8CurrentScaling"):
         for mb in (False, True):
-            keep = _entry(report, recipe=recipe, sharding="fsdp2_keep", qinit=True, microbatches=mb, recompute=False,
+            keep = _entry(report, recipe=recipe, sharding="fsdp2_keep", qinit=True, microbatches=mb, recompute=None,
                           single=False)
             reshard = _entry(report, recipe=recipe, sharding="fsdp2_reshard", qinit=True, microbatches=mb,
-                             recompute=False, single=False)
+                             recompute=None, single=False)
             if keep is None or reshard is None:
                 continue
             checked += 1

@@ -55,6 +55,28 @@ def test_the_stack_gives_every_block_the_even_splits_and_the_microbatch_flag():
     assert list(stack.children()) == blocks  # fully_shard wraps each block
 
 
+@pytest.mark.parametrize(("mode", "reentrant"), [("reentrant", True), ("non_reentrant", False)])
+def test_each_recompute_mode_runs_every_block_under_te_checkpoint_in_its_form(monkeypatch, mode, reentrant):
+    seen = []
+
+    def checkpoint(block, x, splits, *, is_first_microbatch=None, use_reentrant=True):
+        seen.append(use_reentrant)
+        return block(x, splits, is_first_microbatch=is_first_microbatch)
+
+    fake_te = SimpleNamespace(checkpoint=checkpoint)
+    monkeypatch.setitem(sys.modules, "transformer_engine", SimpleNamespace(pytorch=fake_te))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake_te)
+    blocks = [RecordingBlock(), RecordingBlock()]
+    out = experts.ExpertStack(4, *blocks)(torch.ones(10, 3), is_first_microbatch=True, recompute=mode)
+    assert torch.equal(out, torch.full((10, 3), 4.0)) and seen == [reentrant, reentrant]
+    assert [b.calls for b in blocks] == [[(10, [3, 3, 2, 2], True)]] * 2
+
+
+def test_an_unknown_recompute_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="recompute must be one of .*got True"):
+        experts.ExpertStack(4, RecordingBlock())(torch.ones(4, 3), recompute=True)
+
+
 class Expert(torch.nn.Linear):
     """A te.Linear stand-in: takes is_first_microbatch and records it."""
 
