@@ -4,7 +4,9 @@ TransformerEngine is imported inside the functions."""
 
 from __future__ import annotations
 
-__all__ = ["make_recipe", "recipe_skip_reason"]
+from collections.abc import Iterable, Iterator
+
+__all__ = ["make_recipe", "recipe_skip_reason", "supported_recipes"]
 
 
 def make_recipe(name: str):
@@ -31,3 +33,14 @@ def recipe_skip_reason(name: str) -> str | None:
     }[name]
     ok, reason = check()
     return None if ok else f"{name}: {reason}"
+
+
+def supported_recipes(names: Iterable[str], unsupported: dict[str, str]) -> Iterator[str]:
+    """Each of ``names`` this GPU supports, in order; the others go into
+    ``unsupported`` with TE's reason (a worker's report, which its tests read)."""
+    for name in names:
+        reason = recipe_skip_reason(name)
+        if reason:
+            unsupported[name] = reason
+        else:
+            yield name

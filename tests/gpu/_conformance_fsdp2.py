@@ -17,7 +17,7 @@ import torch.distributed as dist
 from _fsdp2_stack import RECIPES  # noqa: F401  (first: it puts the repository root on sys.path)
 from _conformance_run import Case, run_case
 from testbed.dist import guard, run_worker
-from testbed.recipes import recipe_skip_reason
+from testbed.recipes import supported_recipes
 
 RECIPES_SM90 = ("Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling")
 MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP")
@@ -38,11 +38,7 @@ def _cases(recipe: str):
 
 def run_cases(report: dict) -> None:
     report["dist_world_size"] = dist.get_world_size()
-    for recipe in RECIPES_SM90:
-        reason = recipe_skip_reason(recipe)
-        if reason:
-            report["unsupported"][recipe] = reason
-            continue
+    for recipe in supported_recipes(RECIPES_SM90, report["unsupported"]):
         for case in _cases(recipe):
             for reshard in (True, False):
                 label = f"{case.label} reshard_after_forward={reshard}"

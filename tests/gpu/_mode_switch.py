@@ -25,7 +25,7 @@ from _fsdp2_stack import CACHE_OPTION, RECIPES, build, forward_backward  # first
 
 from testbed.dist import guard, run_worker
 from testbed.model import allocated, optimizer_for, release_memory
-from testbed.recipes import make_recipe, recipe_skip_reason
+from testbed.recipes import make_recipe, supported_recipes
 
 STEPS_PER_PHASE = 2
 #: The drop-in stacks by report key: their defaults, and the microbatch cache option pinned.
@@ -188,11 +188,7 @@ def run_cases(report: dict) -> None:
         print(f"_mode_switch.py: world size {report['dist_world_size']}", flush=True)
     # Each stack's failure is recorded (guard), so the tests show it rather than a missing report.
     guard(report, "bf16", lambda: report.update(bf16=run_stack("bf16", managed=False)))
-    for name in RECIPES:
-        reason = recipe_skip_reason(name)
-        if reason:
-            report["unsupported"][name] = reason
-            continue
+    for name in supported_recipes(RECIPES, report["unsupported"]):
         guard(report, name, lambda: report["recipes"].update({name: {
             "stock": run_stack(name, managed=False),
             **{key: run_stack(name, managed=True, policy=policy) for key, policy in DROP_INS.items()}}}))

@@ -29,6 +29,36 @@ GROUP_TOKENS = 128
 FORMS = ("basic_linear", "linear_bias", "linear_add", "residual_linear", "mlp", "grouped")
 
 
+def every_case(recipes):
+    """The case grid both te.ops GPU tests run: ``recipes`` x quantized init
+    x form x sharding plan, as the test's ``recipe_name``, ``quantized_init``,
+    ``form`` and ``sharding`` arguments."""
+    import pytest
+
+    marks = [pytest.mark.parametrize("sharding", ["none", "fsdp2"]),
+             pytest.mark.parametrize("form", FORMS),
+             pytest.mark.parametrize("quantized_init", [False, True], ids=["bf16_params", "quantized_init"]),
+             pytest.mark.parametrize("recipe_name", recipes)]
+
+    def apply(test):
+        for mark in reversed(marks):  # as stacked decorators apply: the last one first
+            test = mark(test)
+        return test
+
+    return apply
+
+
+def case_or_skip(recipe_name: str, quantized_init: bool, form: str, sharding: str):
+    """The case and its recipe, or a skip with TE's reason where the GPU lacks the recipe."""
+    import pytest
+    from testbed.recipes import make_recipe, recipe_skip_reason
+
+    reason = recipe_skip_reason(recipe_name)
+    if reason:
+        pytest.skip(reason)
+    return OpsCase(recipe_name, form, quantized_init, sharding), make_recipe(recipe_name)
+
+
 def _form(name: str):
     import transformer_engine.pytorch as te
 

@@ -27,7 +27,7 @@ from testbed.dist import guard, run_worker  # noqa: E402
 from testbed.model import allocated, release_memory  # noqa: E402
 from testbed.ops_measure import measure_ops  # noqa: E402
 from testbed.ops_model import build_linear_stack, build_ops_mlp, build_ops_stack  # noqa: E402
-from testbed.recipes import make_recipe, recipe_skip_reason  # noqa: E402
+from testbed.recipes import make_recipe, supported_recipes  # noqa: E402
 
 RECIPES = ("Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling")
 HIDDEN, FFN, LAYERS, TOKENS, STEPS, WARMUP = 256, 1024, 4, 512, 4, 1
@@ -104,11 +104,7 @@ def run_cases(report: dict) -> None:
     import torch.distributed as dist
 
     report["dist_world_size"] = dist.get_world_size()
-    for recipe in RECIPES:
-        reason = recipe_skip_reason(recipe)
-        if reason:
-            report["unsupported"][recipe] = reason
-            continue
+    for recipe in supported_recipes(RECIPES, report["unsupported"]):
         for qinit in (False, True):
             guard(report, f"{recipe}/{'qinit' if qinit else 'bf16'}", lambda: _case(report, recipe, qinit))
 

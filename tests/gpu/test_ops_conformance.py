@@ -22,8 +22,7 @@ import gc
 
 import pytest
 
-from conftest import make_recipe, recipe_skip_reason
-from _ops_cases import FORMS, OpsCase, OpsWatch, build, drop_in_ops, run, stock_or_skip
+from _ops_cases import OpsCase, OpsWatch, build, case_or_skip, drop_in_ops, every_case, run, stock_or_skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                                         "ignore::FutureWarning")]
@@ -78,20 +77,13 @@ def _weights(model) -> list:
     return [p for op in drop_in_ops(model) for name, p in op.named_parameters(recurse=False) if "weight" in name]
 
 
-@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("quantized_init", [False, True], ids=["bf16_params", "quantized_init"])
-@pytest.mark.parametrize("recipe_name", RECIPES_SM90)
+@every_case(RECIPES_SM90)
 def test_te_ops_calls_match_their_plans(recipe_name, quantized_init, form, sharding):
     from workspace_manager import BackwardSource, Sharding, Usage
 
     import te_integration as ti
 
-    reason = recipe_skip_reason(recipe_name)
-    if reason:
-        pytest.skip(reason)
-    recipe = make_recipe(recipe_name)
-    case = OpsCase(recipe_name, form, quantized_init, sharding)
+    case, recipe = case_or_skip(recipe_name, quantized_init, form, sharding)
     stock_held, _ = stock_or_skip(lambda: _held(case, recipe, managed=False))
     with OpsWatch().watching() as watch:
         managed_held, model = _held(case, recipe, managed=True)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import RECIPES, make_recipe, recipe_skip_reason
-from _ops_cases import FORMS, OpsCase, build, differences, fused_forms, run, stock_or_skip
+from conftest import RECIPES
+from _ops_cases import build, case_or_skip, differences, every_case, fused_forms, run, stock_or_skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                                         "ignore::FutureWarning")]
@@ -49,16 +49,9 @@ def _finite(records: list) -> bool:
                for r in records)
 
 
-@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("quantized_init", [False, True], ids=["bf16_params", "quantized_init"])
-@pytest.mark.parametrize("recipe_name", RECIPES)
+@every_case(RECIPES)
 def test_te_ops_drop_in_matches_stock_bit_for_bit(recipe_name, quantized_init, form, sharding):
-    reason = recipe_skip_reason(recipe_name)
-    if reason:
-        pytest.skip(reason)
-    recipe = make_recipe(recipe_name)
-    case = OpsCase(recipe_name, form, quantized_init, sharding)
+    case, recipe = case_or_skip(recipe_name, quantized_init, form, sharding)
     stock_model, managed_model = build(case, recipe, managed=False), build(case, recipe, managed=True)
     requantized = sharding == "fsdp2" and not quantized_init
     delayed = recipe_name == "DelayedScaling"
