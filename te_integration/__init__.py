@@ -30,6 +30,16 @@ from ._state import ModuleWorkspaceState
 from ._foreign_patches import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._step_hook import release_step_caches
+from ._stale import (
+    StaleCopy,
+    StaleKind,
+    StaleRead,
+    StaleReadWatch,
+    StaleWorkspaceError,
+    check_stale_reads,
+    release_workspaces,
+    stale_workspaces,
+)
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._plan_support import recompute_mismatch_reason, unsupported_reason
 from ._plan_support_ops import ops_unsupported_reason
@@ -52,6 +62,14 @@ __all__ = [
     "ModuleWorkspaceState",
     "Levers",
     "release_step_caches",
+    "release_workspaces",
+    "stale_workspaces",
+    "check_stale_reads",
+    "StaleCopy",
+    "StaleKind",
+    "StaleRead",
+    "StaleReadWatch",
+    "StaleWorkspaceError",
     "apply_workspace_budget",
     "unsupported_reason",
     "ops_unsupported_reason",

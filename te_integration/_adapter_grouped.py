@@ -45,6 +45,7 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
+from ._freshness import refresh_experts
 from ._functions import ModuleAdapter
 from ._plan_support import plan_refusal
 from ._quantize import expert_keys
@@ -85,6 +86,8 @@ def _begin(ctx, args: tuple):
     )
     if nta[_SINGLE] and levers.plan.columnwise_source is ColumnwiseSource.DERIVED:
         _refuse_derived(levers)
+    if levers.is_quantized_param and len(experts) > 1:
+        refresh_experts(experts[1:])  # the first was checked by levers() (D12)
     # Every tensor TE quantizes in this call is one of its experts.
     record.weights, record.experts = (GATHERED_WEIGHT, levers), experts
     # A distributed weight's slots are TE's own (it saves None and gathers again).

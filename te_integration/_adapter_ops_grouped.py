@@ -32,6 +32,7 @@ from __future__ import annotations
 from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
 from . import _compat as te
+from ._freshness import is_per_tensor
 from ._call import ACTIVE, recompute_pass
 from ._rebuild import RebuildQuantizer
 
@@ -102,10 +103,12 @@ def grouped_backward_levers(op_ctx, record) -> None:
     levers = weights[1]
     if not getattr(op_ctx, "input_requires_grad", 0):
         return
-    if levers.is_quantized_param and levers.plan.columnwise_source is ColumnwiseSource.DERIVED:
+    if levers.is_quantized_param:
         # TE's grouped op reads the parameters' columnwise data as it finds it
-        # and derives none; the plan's release dropped it after the last backward.
-        op_ctx._te_wm_derive = len(weights) // 2
+        # and derives none; the plan's release dropped it after the last
+        # backward (every format the plan derives), or the forward marked an
+        # FP8 transpose older than the weight invalid (D12).
+        op_ctx._te_wm_derive = (len(weights) // 2, levers.plan.columnwise_source is ColumnwiseSource.DERIVED)
         return
     if levers.plan.backward_source is not BackwardSource.REQUANTIZE:
         return
@@ -114,15 +117,21 @@ def grouped_backward_levers(op_ctx, record) -> None:
     op_ctx._te_wm_rebuild = tuple(RebuildQuantizer(q, usage) for q in quantizers)
 
 
+def _invalidated(w) -> bool:
+    """An FP8 transpose the forward marked invalid (D12): derived again."""
+    return is_per_tensor(w) and w._transpose is not None and w._transpose_invalid
+
+
 def grouped_before_backward(op_ctx) -> None:
     """Quantize the high-precision weights a plan saved, or derive the
     columnwise data of the quantized parameters it saved, before TE's
     backward reads them."""
-    derive = getattr(op_ctx, "_te_wm_derive", 0)
-    if derive:
-        op_ctx._te_wm_derive = 0
-        for w in op_ctx.saved_tensors[-derive:]:
-            if isinstance(w, te.QuantizedTensorStorage):
+    derive = getattr(op_ctx, "_te_wm_derive", None)
+    if derive is not None:
+        op_ctx._te_wm_derive = None
+        count, every_format = derive
+        for w in op_ctx.saved_tensors[-count:]:
+            if isinstance(w, te.QuantizedTensorStorage) and (every_format or _invalidated(w)):
                 w.update_usage(columnwise_usage=True)
     rebuild = getattr(op_ctx, "_te_wm_rebuild", None)
     if rebuild is None:

@@ -141,6 +141,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_PT}.quantization", "FP8GlobalStateManager.get_fp8_recipe"),
     Seam(f"{_PT}.quantized_tensor", "QuantizedTensorStorage", "QuantizedTensorStorage"),
     Seam(f"{_PT}.tensor.utils", "clear_columnwise_cache", "clear_columnwise_cache"),
+    # The GEMM each module file calls (check_stale_reads watches them).
+    Seam(_LIN, "general_gemm"), Seam(_LNL, "general_gemm"), Seam(_MLP, "general_gemm"),
+    Seam(_GL, "general_grouped_gemm"),
 )
 
 
@@ -225,6 +228,11 @@ FP8GlobalStateManager = _found["FP8GlobalStateManager"]
 QuantizedTensorStorage = _found["QuantizedTensorStorage"]
 clear_columnwise_cache = _found["clear_columnwise_cache"]
 del _found
+
+#: ``(module file, name)`` of the GEMM functions the module kinds call: what
+#: ``check_stale_reads`` watches (te.ops's are in ``_compat_ops``).
+GEMM_SITES = ((linear_module, "general_gemm"), (lnl_module, "general_gemm"), (lnmlp_module, "general_gemm"),
+              (grouped_module, "general_grouped_gemm"))
 
 #: Positions in ``_LayerNormLinear.forward``'s ``non_tensor_args``.
 LNL_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizer": 7, "cpu_offloading": 12,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from ._compat import VERSION, Seam, UnsupportedTEError, _resolve, missing_seams_message
 from ._te_source import structure_problems
 
-__all__ = ["SEAMS", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction",
+__all__ = ["SEAMS", "GEMM_SITES", "BasicLinear", "GroupedLinear", "OpsLinear", "Sequential", "fuser_module", "FuserFunction",
            "ops_linear_module", "ops_package"]
 
 _OPS = "transformer_engine.pytorch.ops"
@@ -54,6 +54,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_GL, "GroupedLinear.fuser_backward"), Seam(_GL, "GroupedLinear._fuser_backward_split_quantize"),
     Seam(_GL, "GroupedLinear._fuser_backward_grouped_tensor"), Seam(_GL, "GroupedLinear._is_distributed_weight"),
     Seam(_GL, "GroupedLinear.fuser_forward_save_ctx"),
+    # The GEMMs the linear ops call (check_stale_reads watches them).
+    Seam(_BL, export="basic_linear_module"), Seam(_BL, "general_gemm"),
+    Seam(_GL, export="ops_grouped_module"), Seam(_GL, "general_grouped_gemm"),
 ) + tuple(Seam(_FUSED, f"{name}.fuser_forward", name) for name in _FUSED_FORWARDS)
 
 _found = _resolve(SEAMS)
@@ -69,6 +72,8 @@ Sequential = _found["Sequential"]
 FuserFunction = _found["FuserFunction"]
 GroupedLinear = _found["GroupedLinear"]
 _fused = [_found[name] for name in _FUSED_FORWARDS]  # their fuser_forward functions
+#: ``(module file, name)`` of the GEMM functions the linear ops call.
+GEMM_SITES = ((_found["basic_linear_module"], "general_gemm"), (_found["ops_grouped_module"], "general_grouped_gemm"))
 del _found
 
 #: GroupedLinear's backward takes the weights from the end of the saved tensors.

@@ -49,6 +49,10 @@ class Levers:
     release_cache: bool
     #: Either release: the call's backward has something to do.
     releases: bool
+    #: A cache entry is stale once the weight's version counter moved, not
+    #: only after a step: false under FSDP2, where every all-gather moves
+    #: the gathered weight's counter and the weight changes only at the step.
+    cache_tracks_version: bool
     #: The workspace saved for backward keeps only its columnwise data; the
     #: rowwise data is dropped once the forward GEMM has read it
     #: (docs/decisions.md, D11).
@@ -81,6 +85,7 @@ def levers_from_plan(key: str, context: WorkspaceContext, plan: WorkspacePlan) -
         release_columnwise=release_columnwise,
         release_cache=release_cache,
         releases=release_columnwise or release_cache,
+        cache_tracks_version=not context.sharding.is_fsdp2,
         saves_columnwise_only=_saves_columnwise_only(context, plan),
         rebuild_usage=plan.backward_usage if rebuilds and plan.backward_usage is not Usage.BOTH else None,
     )

@@ -1,7 +1,9 @@
 """What every drop-in's mixin shares (``_modules._ManagedModule`` for TE's
 modules, ``_modules_ops.ManagedOp`` for te.ops's ops): the pinned policy as
-a property, and the sharded quantized parameters trimmed to their plan
-after TE's ``reset_parameters`` and ``_load_from_state_dict`` (D10)."""
+a property, the sharded quantized parameters trimmed to their plan after
+TE's ``reset_parameters`` and ``_load_from_state_dict`` (D10), and no
+quantized copy kept past a move of the module's parameters or a state-dict
+load (D12)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 from workspace_manager import WorkspacePolicy
 
+from ._freshness import placement, release_module
 from ._shards import trim_sharded_parameters
 from ._state import state_of
 
@@ -20,11 +23,24 @@ class ManagedCommon:
 
     def reset_parameters(self, *args: Any, **kwargs: Any) -> None:
         super().reset_parameters(*args, **kwargs)
+        release_module(self)  # copies of the weights just replaced
         trim_sharded_parameters(self)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
+        # The copies were made from the weights just replaced.
+        release_module(self)
         trim_sharded_parameters(self)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # ``module.to``/``.cpu()``/``.half()`` come here (and recurse here for
+        # each drop-in below): copies made on the old device or from the old
+        # dtype must not stay behind (an offload leaves nothing on the GPU).
+        before = placement(self)
+        out = super()._apply(fn, *args, **kwargs)
+        if placement(self) != before:
+            release_module(self)
+        return out
 
     @property
     def workspace_policy(self) -> WorkspacePolicy | None:

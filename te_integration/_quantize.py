@@ -20,6 +20,7 @@ from . import _compat as te
 from ._call import ACTIVE, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
+from ._step_hook import STEPS
 
 __all__ = ["managed_quantize_weight", "expert_key", "expert_keys"]
 
@@ -125,7 +126,10 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
                      workspace_dtype):
     """Quantize a high-precision weight through the module's cache as its
     plan says (FILL, REUSE or READ_ONLY) under ``key``; returns the
-    workspace and whether it came from the cache."""
+    workspace and whether it came from the cache. An entry older than the
+    weight (made before an optimizer step, or before the weight's version
+    counter moved) is refreshed, whatever the call's microbatch position
+    says (docs/decisions.md, D12)."""
     state = record.state
     want_columnwise = levers.forward_columnwise
     if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
@@ -134,18 +138,23 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
     pending = record.pending
     # This call's own fill first, then the module's cache.
     cached = pending[key] if pending is not None and key in pending else record.module._fp8_workspaces.get(key)
-    # An entry this state filled with the usages wanted serves as it is
-    # (see ModuleWorkspaceState.filled); any other is checked in full.
-    filled = state.filled.get(key)
-    if cached is not None and (
-            (filled is not None and filled[0] == id(cached) and (filled[1] or not want_columnwise))
-            or _usable(cached, tensor, quantizer, want_columnwise)):
-        if action is not CacheAction.FILL and skip_update_flag is None:
-            return cached, True  # what TE's quantize_weight returns for a hit it must not refresh
-        out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached, update_workspace=True,
-                                    skip_update_flag=skip_update_flag, workspace_dtype=workspace_dtype)
-        return out, True
-    if action is CacheAction.READ_ONLY:  # missed: a fresh workspace, not stored
+    stamp = (STEPS.value, tensor._version if levers.cache_tracks_version else 0)
+    if cached is not None:
+        # An entry this state filled with the usages wanted serves as it is
+        # (see ModuleWorkspaceState.filled); any other is checked in full.
+        filled = state.filled.get(key)
+        known = filled is not None and filled[0] == id(cached)
+        if (known and (filled[1] or not want_columnwise)) or _usable(cached, tensor, quantizer, want_columnwise):
+            fresh = known and filled[2] == stamp
+            if fresh and action is not CacheAction.FILL and skip_update_flag is None:
+                return cached, True  # what TE's quantize_weight returns for a hit it must not refresh
+            if fresh or action is not CacheAction.READ_ONLY:
+                out, _ = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=cached,
+                                            update_workspace=True, skip_update_flag=skip_update_flag,
+                                            workspace_dtype=workspace_dtype)
+                state.filled[key] = (id(cached), filled[1] if known else want_columnwise, stamp)
+                return out, True
+    if action is CacheAction.READ_ONLY:  # missed (or stale): a fresh workspace, not stored
         # TE's own uncached call, made here as in managed_quantize_weight.
         out = quantizer.quantize(tensor, dtype=workspace_dtype)
         return out, False
@@ -154,7 +163,7 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
     if record.pending is None:
         record.pending = {}
     record.pending[key] = new
-    state.filled[key] = (id(new), want_columnwise)
+    state.filled[key] = (id(new), want_columnwise, stamp)
     return out, False
 
 

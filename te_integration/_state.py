@@ -45,8 +45,9 @@ from workspace_manager import (
 from . import _compat as te
 from ._levers import Levers, levers_from_plan
 from ._plan_support import require_same_passes, require_supported
+from ._freshness import STAMP, refresh_parameter
 from ._rebuild import RebuildQuantizer
-from ._step_hook import track
+from ._step_hook import STEPS, ensure_hook, track
 
 __all__ = ["ModuleKind", "ModuleWorkspaceState", "state_of"]
 
@@ -105,14 +106,19 @@ class ModuleWorkspaceState:
         self._instance_keys: dict[int, tuple[Any, int]] = {}
         self._last: dict[str, Levers] = {}
         #: weight key -> (id of the cache entry this state filled, whether it
-        #: holds columnwise data). A hit on that entry skips re-validating
-        #: it: the binding built it with those usages, and TE never adds to
-        #: or strips a cached workspace (its in-backward clear reaches only
-        #: workspaces built for that call). An id, not a reference: the
-        #: entry's lifetime stays the cache's.
-        self.filled: dict[str, tuple[int, bool]] = {}
+        #: holds columnwise data, its stamp: the step generation and the
+        #: weight's version counter when it was made). A hit on that entry
+        #: skips re-validating it: the binding built it with those usages,
+        #: and TE never adds to or strips a cached workspace (its in-backward
+        #: clear reaches only workspaces built for that call); an old stamp
+        #: makes it be refreshed (D12). An id, not a reference: the entry's
+        #: lifetime stays the cache's.
+        self.filled: dict[str, tuple[int, bool, tuple[int, int]]] = {}
         #: weight key -> the rebuild quantizer made for it (see backward_quantizer).
         self._rebuilders: dict[str, Any] = {}
+        # The step generation must count every optimizer step from the first
+        # drop-in on: the freshness of every copy is judged by it (D12).
+        ensure_hook()
 
     def __reduce__(self):
         # Copies and pickles keep the pinned policy only: probes point at
@@ -156,6 +162,8 @@ class ModuleWorkspaceState:
         hash (the enums in the key hash by identity, in C)."""
         wtype = type(weight)
         is_qp = _IS_QUANTIZED[wtype] if wtype in _IS_QUANTIZED else _learn_quantized(wtype)
+        if is_qp and getattr(weight, STAMP, None) != (STEPS.value, getattr(weight, "_version", 0)):
+            refresh_parameter(weight)  # written since its derived data was made (docs/decisions.md, D12)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
             self._forget()
@@ -173,8 +181,10 @@ class ModuleWorkspaceState:
             levers = self._memo[shape]
         except KeyError:
             levers = self._memo[shape] = self._plan(shape, source)
-            if is_qp and sharding.is_fsdp2:
-                track(module)  # its shards are checked after every optimizer step
+            if is_qp:
+                # Its parameters' transposes are invalidated at every
+                # optimizer step (D12); under FSDP2 its shards are trimmed too.
+                track(module)
         self._last[key] = levers
         return levers
 

@@ -1,11 +1,14 @@
 """Everything the binding does at an optimizer step, behind one hook.
 
-Three things happen there: cached workspaces marked for release are
-dropped, sharded quantized parameters whose columnwise data reappeared are
-trimmed again, and an active attribution recording takes a timeline point.
-One global ``torch.optim`` step post-hook, installed on first need, runs
-them in that order; the other modules register their task here, so this
-module imports none of them.
+Four things happen there: the step generation (:data:`STEPS`) moves on,
+so that every quantized copy made before the step counts as stale
+(``_freshness``: docs/decisions.md, D12), cached workspaces marked for
+release are dropped, sharded quantized parameters whose columnwise data
+reappeared are trimmed again, and an active attribution recording takes a
+timeline point. One global ``torch.optim`` step post-hook, installed by the
+first drop-in (TE's ``FusedAdam`` is a ``torch.optim.Optimizer``, so its
+steps run it too), runs them in that order; the other modules register
+their task here, so this module imports none of them.
 
 Cache release: a plan with ``Release.CACHED_WORKSPACE`` (FSDP2 with
 ``reshard_after_forward=False``, microbatches and the microbatch cache
@@ -27,7 +30,25 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["release_step_caches"]
+__all__ = ["release_step_caches", "STEPS"]
+
+
+class StepGeneration:
+    """How many optimizer steps (and explicit releases) the process has
+    seen: a copy stamped with an older value was made from older weights.
+    One int attribute, read inline by the hot paths."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def advance(self) -> None:
+        self.value += 1
+
+
+#: The process's step generation (see :class:`StepGeneration`).
+STEPS = StepGeneration()
 
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TRACKED: weakref.WeakSet = weakref.WeakSet()
@@ -53,8 +74,9 @@ def add_step_task(task: Callable[[], None]) -> None:
 
 
 def track(module: Any) -> None:
-    """Check ``module``'s sharded quantized parameters after every
-    optimizer step from now on (the task ``_shards`` registers)."""
+    """Check ``module``'s quantized parameters after every optimizer step
+    from now on: their transposes are invalidated (``_freshness``) and, under
+    FSDP2, their shards trimmed (``_shards``)."""
     _TRACKED.add(module)
     ensure_hook()
 
@@ -71,6 +93,7 @@ def release_after_step(module: Any, key: str) -> None:
 
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    STEPS.advance()
     if _PENDING:
         release_step_caches()
     for task in _TASKS:

@@ -30,7 +30,7 @@ from ._errors import (
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
-from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, probe_fsdp2_sharding
+from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, fsdp2_gathered_parameters, probe_fsdp2_sharding
 from .attribution import (
     Lifetime,
     LiveWorkspace,
@@ -120,6 +120,7 @@ __all__ = [
     "buffers_of",
     # detection
     "detect_fsdp2_sharding",
+    "fsdp2_gathered_parameters",
     "probe_fsdp2_sharding",
     "ShardingProbe",
     # quantizer registry and TE profiles

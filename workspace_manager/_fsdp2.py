@@ -57,7 +57,7 @@ from ._errors import ContextTypeError, InvalidContextError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding"]
+__all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding", "fsdp2_gathered_parameters"]
 
 # FSDP2's home module: torch >= 2.6, and torch 2.4/2.5.
 _FSDP2_PACKAGES = (
@@ -352,3 +352,39 @@ def _path_from(root: Any, module: Any) -> list[Any]:
         f"{type(root).__name__}; pass the model that contains it as root, or root=None "
         f"to search every FSDP2-managed module."
     )
+
+
+def fsdp2_gathered_parameters(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """``(owning module, parameter name, tensor)`` for each unsharded
+    parameter FSDP2 keeps for the modules in ``model``, whether or not its
+    storage is allocated now.
+
+    FSDP2 makes the unsharded parameter at the first all-gather and reuses
+    the same object at every later one (a tensor subclass's
+    ``fsdp_post_all_gather`` gets it back as ``out``), so whatever a quantized
+    format derives on it (an FP8 transpose) outlives the reshard unless
+    somebody clears it. Between forward and backward these tensors are the
+    module's parameters; after the reshard only FSDP2 holds them.
+    """
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise ContextTypeError(f"fsdp2_gathered_parameters: model must be a torch.nn.Module; "
+                               f"received {type(model).__name__}")
+    api = _fsdp2_api()
+    if api is None:
+        return []
+    inside = {id(m) for m in model.modules()}
+    found: list[tuple[Any, str, Any]] = []
+    seen: set[int] = set()
+    for state in _distinct(_fsdp2_modules(api).values()):
+        for group in _sharded_groups(state, api):
+            for fsdp_param in group.fsdp_params:
+                info = getattr(fsdp_param, "_module_info", None)
+                # Set by FSDP2's first all-gather (init_unsharded_param); absent before.
+                tensor = vars(fsdp_param).get("_unsharded_param")
+                if info is None or tensor is None or id(info.module) not in inside or id(fsdp_param) in seen:
+                    continue
+                seen.add(id(fsdp_param))
+                found.append((info.module, info.param_name, tensor))
+    return found

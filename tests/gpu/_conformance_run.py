@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from _conformance import CallRecorder
+from testbed.freshness import reference_reset  # the callers put the repository root on sys.path
 
 HIDDEN, FFN, TOKENS = 128, 256, 64
 #: Weight keys and logical shapes per module (all distinct, and distinct
@@ -213,7 +214,10 @@ def report_stock_failures(lines: list[str]) -> None:
 
 def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) -> list[str]:
     """Both twins through ``case``; conformance problems of every managed
-    call, and (with ``numerics``) every difference from stock. ``prepare``
+    call, and (with ``numerics``) every difference from stock, made the
+    reference: its quantized parameters' transposes reset after each
+    optimizer step (``testbed.freshness.reference_reset``), which changes
+    stock only where it would read a stale one (docs/decisions.md, D12). ``prepare``
     is applied to both modules before training (e.g. ``fully_shard``)."""
     recipe = make_recipe(case.recipe, case.override)
     stock, managed = build(case, False, recipe), build(case, True, recipe, policy)
@@ -237,6 +241,7 @@ def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) ->
                 got += _grads_and_params(managed)
                 opts[0].step()
                 opts[0].zero_grad(set_to_none=True)
+                reference_reset(stock)  # stock without its stale FP8 transposes (D12); a no-op elsewhere
                 with rec.step():
                     opts[1].step()
                     opts[1].zero_grad(set_to_none=True)

@@ -5,8 +5,10 @@
 For each sm_90 recipe, parameter layout, sharding (none, FSDP2 reshard,
 FSDP2 keep), weight kind (bf16, quantized init), microbatching and
 recompute mode, three training steps of a two-block expert stack run as
-stock ``te.GroupedLinear``, as the drop-in, and (bf16 weights) as the same
-experts in stock ``te.Linear`` modules. The report holds, per case, the
+stock ``te.GroupedLinear``, as the drop-in, (bf16 weights) as the same
+experts in stock ``te.Linear`` modules, and (quantized parameters) as the
+reference: stock with its quantized parameters' transposes reset after each
+optimizer step (``testbed.freshness.reference_reset``; docs/decisions.md, D12). The report holds, per case, the
 losses and final parameters of each (as digests: equal digests are equal
 bits), what each block's backward was handed in place of its experts'
 workspaces (read from the autograd ctx after forward), the cache entries
@@ -26,6 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from testbed.dist import guard, run_worker  # noqa: E402
+from testbed.freshness import reference_reset  # noqa: E402
 from testbed.experts import RECOMPUTE_MODES, build_expert_reference, build_expert_stack  # noqa: E402
 from testbed.model import optimizer_for, release_memory  # noqa: E402
 from testbed.recipes import make_recipe, recipe_skip_reason  # noqa: E402
@@ -144,6 +147,8 @@ def _run(case: dict, variant: str) -> dict:
             losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if variant == "reference":
+            reference_reset(model)
     for h in hooks:
         h.remove()
     grouped = [m for m in model.modules() if isinstance(m, te.GroupedLinear)]
@@ -183,7 +188,8 @@ def body(report: dict) -> None:
     report["shapes"] = EXPERT_SHAPES
     for case in _cases(report):
         entry = {"case": case}
-        variants = ["stock", "managed"] + (["linears"] if not case["qinit"] and not case["single"] else [])
+        variants = ["stock", "managed"] + (["linears"] if not case["qinit"] and not case["single"] else []) \
+            + (["reference"] if case["qinit"] else [])
         for variant in variants:
             where = f"{case} {variant}"
             guard(report, where, lambda v=variant: entry.__setitem__(v, _run(case, v)))

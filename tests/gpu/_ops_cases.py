@@ -135,9 +135,10 @@ def run(model, case: OpsCase, recipe, steps: int = 3, between=None, fresh_transp
         warmup_forward: bool = False) -> list:
     """Outputs, input grads, parameter grads and updated parameters of ``steps``
     steps; ``between(step, out)`` runs after each forward (before backward).
-    ``fresh_transposes``: after each optimizer step, make the FP8
-    parameters' transposes again from the updated data
-    (:func:`_refresh_transposes`). ``warmup_forward``: one forward first,
+    ``fresh_transposes``: after each optimizer step, mark the FP8
+    parameters' transposes invalid, so that they are made again from the
+    updated data (``testbed.freshness.reference_reset``: the reference
+    stock is held to where it reads a stale one, docs/decisions.md D12). ``warmup_forward``: one forward first,
     without backward or step, so that DelayedScaling's amax history holds
     the weights before the first recorded step."""
     import transformer_engine.pytorch as te
@@ -168,24 +169,13 @@ def run(model, case: OpsCase, recipe, steps: int = 3, between=None, fresh_transp
             value = p.dequantize() if isinstance(p, QuantizedTensor) else p
             record.append((f"param:{name}", step, value.detach().clone()))
         if fresh_transposes:
-            _refresh_transposes(model)
+            from testbed.freshness import reference_reset
+
+            reference_reset(model)
         # Nothing of this step stays alive into the next forward: a memory
         # mark taken there sees no old output (or the graph it keeps) freed.
         del out, x, extra
     return record
-
-
-def _refresh_transposes(model) -> None:
-    """Make each per-tensor FP8 parameter's transpose (TE's ``Float8Tensor``)
-    again from its rowwise data. TE's FusedAdam writes DelayedScaling FP8
-    parameters with a fused kernel that updates the rowwise data only, so a
-    transpose made before the step no longer matches them."""
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
-
-    for p in model.parameters():
-        if isinstance(p, Float8Tensor) and p._data is not None and p._transpose is not None:
-            p.update_usage(columnwise_usage=False)
-            p.update_usage(columnwise_usage=True)
 
 
 def fused_forms(model) -> list:

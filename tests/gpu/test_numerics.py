@@ -4,7 +4,11 @@ For each recipe that runs here, bf16 and quantized_model_init weights, and
 each module: several optimizer steps, with microbatch positions, te.checkpoint
 around the module, LayerNormMLP(checkpoint=True), and inference under no_grad.
 Outputs, input grads, weight/bias/layernorm grads and updated parameters must
-be identical (torch.equal), not close.
+be identical (torch.equal), not close. Stock runs as the reference: its
+quantized parameters' transposes are reset after each optimizer step
+(``testbed.freshness.reference_reset``), which changes stock only where
+TE's FusedAdam left one stale (DelayedScaling with quantized_model_init:
+docs/decisions.md, D12); ``tests/gpu/test_freshness.py`` lists where.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ def _forward(module, x, recipe, scenario: str, micro: int):
         return module(x, **kwargs)
 
 
-def _run(module, recipe, scenario: str, steps: int = 3):
+def _run(module, recipe, scenario: str, steps: int = 3, reference: bool = False):
     """Outputs and gradients of every microbatch of every step, and the
-    parameters after each optimizer step."""
+    parameters after each optimizer step; ``reference``: reset the
+    quantized parameters' transposes after each step."""
     import torch
     import transformer_engine.pytorch as te
 
@@ -100,6 +105,10 @@ def _run(module, recipe, scenario: str, steps: int = 3):
             record.append((f"grad:{name}", step, 0, None if grad is None else grad.detach().clone()))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if reference:
+            from testbed.freshness import reference_reset
+
+            reference_reset(module)
         from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
         for name, p in module.named_parameters():
@@ -132,6 +141,6 @@ def test_drop_in_matches_stock_bit_for_bit(recipe_name, quantized_init, kind, sc
         pytest.skip("checkpoint=True is a LayerNormMLP option")
     recipe = make_recipe(recipe_name)
     own = scenario in OWN_CHECKPOINT
-    stock = _run(_build(kind, False, recipe, quantized_init, own), recipe, scenario)
+    stock = _run(_build(kind, False, recipe, quantized_init, own), recipe, scenario, reference=True)
     managed = _run(_build(kind, True, recipe, quantized_init, own), recipe, scenario)
     _assert_identical(stock, managed)

@@ -96,6 +96,13 @@ class Float8CurrentScalingQuantizer:
             self.columnwise_usage = columnwise
 
     def quantize(self, tensor: torch.Tensor, *, dtype=None) -> Workspace:
+        if isinstance(tensor, QuantizedTensorStorage):
+            # TE's quantize_weight hands a quantized weight back with the
+            # usages the quantizer asks for (spelled here, where stock and
+            # drop-in pass alike, so the call counts stay comparable).
+            tensor.update_usage(rowwise_usage=True if self.rowwise_usage else None,
+                                columnwise_usage=True if self.columnwise_usage else None)
+            return tensor
         data = _round(tensor)
         return Workspace(data if self.rowwise_usage else None,
                          data.t().contiguous() if self.columnwise_usage else None, tensor, self)
@@ -119,13 +126,17 @@ Float8CurrentScalingQuantizer.__module__ = "transformer_engine.pytorch.tensor.fl
 
 def quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_workspace=True, skip_update_flag=None,
                     fsdp_group=None, workspace_dtype=None, cache=False):
-    """TE's contract: a given workspace is refreshed in place (when asked)
-    and returned; else a new one is made, and returned twice if cached."""
+    """TE's contract: a quantized weight (a parameter) gets the usages its
+    quantizer asks for and is returned itself; a given workspace is
+    refreshed in place (when asked) and returned; else a new one is made,
+    and returned twice if cached."""
     if workspace is not None:
         if update_workspace:
             quantizer.update_quantized(tensor, workspace)
         return workspace, None
     ws = quantizer.quantize(tensor, dtype=workspace_dtype)  # TE's miss call, dtype and all
+    if ws is tensor:  # a quantized weight: itself, with its usages (see the quantizer)
+        return ws, None
     ws.internal = not cache
     return ws, (ws if cache else None)
 

@@ -17,6 +17,7 @@ def _lines(*needles: str) -> str:
 
 
 _BASIC_LINEAR = f'''
+general_gemm = None
 class BasicLinear:
     @staticmethod
     def _functional_forward(*args, **kwargs):
@@ -35,6 +36,7 @@ class BasicLinear:
 '''
 
 _GROUPED = f'''
+general_grouped_gemm = None
 class GroupedLinear:
     def fuser_forward(self, *args, **kwargs):
         {_lines("input_requires_grad=input_requires_grad,", "weight_quantizers=weight_quantizers,")}

@@ -73,6 +73,7 @@ def _files() -> dict[str, str]:
             import dataclasses
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
+            general_gemm = None
             LinearFwdArgs = dataclasses.make_dataclass("LinearFwdArgs", {list(_compat_literal("LINEAR_FWD_FIELDS"))!r})
             LinearBwdArgs = dataclasses.make_dataclass("LinearBwdArgs", {list(_compat_literal("LINEAR_BWD_FIELDS"))!r})
             def _linear_forward_impl(is_fsdp2, weightmat, weight):
@@ -104,6 +105,7 @@ def _files() -> dict[str, str]:
         "pytorch/module/layernorm_linear.py": f"""
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
+            general_gemm = None
             class _LayerNormLinear:
                 @staticmethod
                 def forward(ctx, non_tensor_args, weight, weightmat):
@@ -128,6 +130,7 @@ def _files() -> dict[str, str]:
         "pytorch/module/layernorm_mlp.py": f"""
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
+            general_gemm = None
             def prepare_for_saving(*tensors):
                 return list(tensors), [None] * len(tensors)
             class _LayerNormMLP:
@@ -220,6 +223,7 @@ def _grouped_linear_source() -> str:
     body = f"""
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
+            general_grouped_gemm = None
             tex = None
             class GroupedTensorStorage:
                 pass

@@ -1,0 +1,319 @@
+"""Finding and releasing stale quantized copies, in drop-in and stock TE models alike.
+
+:func:`release_workspaces` frees every quantized copy a model holds (where
+the binding cannot see the weights change or leave).
+
+:func:`stale_workspaces` inspects a model now and lists every live
+quantized copy whose bytes no longer match their source;
+:func:`check_stale_reads` watches TE's GEMMs while a block runs and raises
+(or counts) where one would read a stale FP8 transpose. Both are how a user
+finds out whether a training run is affected (docs/attribution.md,
+"Stale copies"); the drop-ins never make such a copy (D12).
+
+What counts as stale, per copy:
+
+* a per-tensor FP8 transpose flagged valid that is not the transpose of
+  the tensor's rowwise data (exact, byte for byte);
+* a transpose kept on the unsharded parameter FSDP2 reuses, after the
+  reshard freed that parameter's data: the next all-gather refills the data
+  and TE keeps the transpose, so the next forward reads the weights of the
+  step before;
+* a cached workspace older than its weight: for a drop-in exactly, from the
+  stamp it was filled with; for a stock module, where nobody recorded when
+  it was made, an FP8 copy whose dequantized values disagree with the
+  weight by more than the format's rounding can explain (a copy a few
+  small steps old may still pass: that check can miss, it cannot accuse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workspace_manager import fsdp2_gathered_parameters
+
+from . import _compat as te
+from . import _compat_ops as te_ops
+from ._argument_checks import expect_module
+from ._attribution import te_modules
+from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, release_module
+from ._step_hook import STEPS, ensure_hook
+
+__all__ = ["StaleKind", "StaleCopy", "StaleRead", "StaleReadWatch", "StaleWorkspaceError", "stale_workspaces",
+           "check_stale_reads", "release_workspaces"]
+
+
+class StaleKind(enum.Enum):
+    """Why a copy is stale."""
+
+    #: A valid-flagged FP8 transpose unequal to the transpose of its data.
+    TRANSPOSE_MISMATCH = "transpose_mismatch"
+    #: A transpose on FSDP2's unsharded parameter that outlived the reshard
+    #: of its data: the next all-gather pairs it with newer data.
+    OUTLIVES_RESHARD = "outlives_reshard"
+    #: A cached workspace made from older weights than the current ones.
+    CACHE_OLDER_THAN_WEIGHT = "cache_older_than_weight"
+
+
+@dataclass(frozen=True)
+class StaleCopy:
+    """One stale copy: the module's path in the model, the weight (a
+    parameter name or a cache key), why, and its bytes."""
+
+    module: str
+    weight: str
+    kind: StaleKind
+    nbytes: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.module or '<model>'}.{self.weight}: {self.kind.value} ({self.nbytes} B): {self.detail}"
+
+
+class StaleWorkspaceError(RuntimeError):
+    """A GEMM was about to read a stale quantized copy (see :func:`check_stale_reads`)."""
+
+
+def _transpose_of(data: torch.Tensor) -> torch.Tensor:
+    """What TE's ``fp8_transpose`` makes of ``data``: its 2D view, transposed."""
+    return data.reshape(-1, data.shape[-1]).t().contiguous()
+
+
+def transpose_matches(tensor: Any) -> bool | None:
+    """Whether a per-tensor FP8 tensor's valid transpose is the transpose
+    of its data; None where there is nothing to compare (no valid
+    transpose, or no data: freed by FSDP2, or a columnwise-only tensor)."""
+    if not is_per_tensor(tensor) or tensor._transpose is None or tensor._transpose_invalid:
+        return None
+    data = tensor._data
+    if data is None or data.untyped_storage().nbytes() == 0:
+        return None
+    return torch.equal(tensor._transpose.reshape(-1), _transpose_of(data).reshape(-1))
+
+
+def _mantissa_bits(tensor: Any) -> int | None:
+    """3 for E4M3, 2 for E5M2 (TE's ``_fp8_dtype`` names it); None: not FP8 we know."""
+    name = str(getattr(tensor, "_fp8_dtype", ""))
+    return 3 if "E4M3" in name.upper() else 2 if "E5M2" in name.upper() else None
+
+
+def disagrees_with(workspace: Any, weight: torch.Tensor) -> bool:
+    """An FP8 copy's values disagree with ``weight`` by more than rounding
+    at the copy's own scale explains: one full step of the FP8 grid at the
+    value (twice round-to-nearest's error), a subnormal step near zero, and
+    saturation at the format's largest value. False where it cannot judge."""
+    bits = _mantissa_bits(workspace)
+    if bits is None or getattr(workspace, "_data", None) is None or tuple(workspace.shape) != tuple(weight.shape):
+        return False
+    dequantized = workspace.dequantize(dtype=torch.float32)
+    exact = weight.detach().to(dequantized.device, torch.float32)
+    fp8 = torch.float8_e4m3fn if bits == 3 else torch.float8_e5m2
+    info = torch.finfo(fp8)
+    scale_inv = workspace._scale_inv.detach().float().reshape(())
+    tolerance = exact.abs() * 2.0 ** -bits + info.smallest_normal * 2.0 ** -bits * scale_inv
+    saturated = (dequantized.abs() >= info.max * scale_inv * (1 - 2.0 ** -8)) & \
+                (exact.abs() >= dequantized.abs()) & (torch.sign(exact) == torch.sign(dequantized))
+    return bool((((dequantized - exact).abs() > tolerance) & ~saturated).any())
+
+
+def _cache_is_stale(copy: HeldCopy) -> str | None:
+    """Why a cached workspace is older than its weight, or None."""
+    module, key = copy.module, copy.weight
+    weight = getattr(module, key, None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    state = getattr(module, "_wm_state", None)
+    filled = state.filled.get(key) if state is not None else None
+    if filled is not None and filled[0] == id(copy.tensor):
+        version = 0 if state.sharding(module).is_fsdp2 else weight._version
+        if filled[2] != (STEPS.value, version):
+            return "made before the weight's latest optimizer step or in-place write"
+    if disagrees_with(copy.tensor, weight):  # also where a write escaped the stamps
+        return "its values disagree with the weight by more than FP8 rounding explains"
+    return None
+
+
+def _why_stale(copy: HeldCopy) -> tuple[StaleKind, str] | None:
+    if copy.kind == "cached":
+        why = _cache_is_stale(copy)
+        if why is not None:
+            return StaleKind.CACHE_OLDER_THAN_WEIGHT, why
+    matches = transpose_matches(copy.tensor)
+    if matches is False:
+        return StaleKind.TRANSPOSE_MISMATCH, "the transpose flagged valid is not the transpose of the data"
+    if matches is None and copy.kind == "gathered_transpose" and _data_freed(copy.tensor):
+        return StaleKind.OUTLIVES_RESHARD, ("FSDP2 freed the gathered data; its next all-gather refills it and "
+                                            "TE keeps this transpose, which then holds the previous weights")
+    return None
+
+
+def _data_freed(tensor: Any) -> bool:
+    data = tensor._data
+    return data is not None and data.untyped_storage().nbytes() == 0
+
+
+def stale_workspaces(model: torch.nn.Module) -> list[StaleCopy]:
+    """Every live quantized copy in ``model``'s TE modules (drop-in or
+    stock) whose bytes no longer match their source, with the module path
+    (see the module docstring for what counts). Empty: nothing stale now.
+
+    Call it between steps (after ``optimizer.step()``, before the next
+    forward) to see what the next step would read; it reads every copy's
+    bytes, so it costs a pass over them."""
+    expect_module("stale_workspaces", "model", model)
+    gathered = fsdp2_gathered_parameters(model)
+    found = []
+    for path, module in te_modules(model):
+        for copy in held_copies(module, gathered):
+            why = _why_stale(copy)
+            if why is not None:
+                found.append(StaleCopy(path, copy.weight, why[0], copy_nbytes(copy), why[1]))
+    return found
+
+
+def release_workspaces(model: torch.nn.Module) -> int:
+    """Free every quantized weight copy ``model``'s TE modules hold, drop-in
+    and stock alike: cached workspaces, the derived FP8 transposes of
+    quantized parameters, and those of the unsharded parameters FSDP2 keeps
+    between all-gathers. Returns the bytes released (storages whose last
+    reference this dropped are freed; the caching allocator keeps them for
+    reuse until ``torch.cuda.empty_cache()``).
+
+    Call it where the binding cannot see the weights change or leave: after
+    an optimizer that steps outside ``torch.optim``, after an offload that
+    swaps ``param.data``, or before a phase that needs the memory (training
+    to rollout). Every copy is made again, from the current weights, where
+    the next call needs it. It also moves the step generation on, so every
+    drop-in treats what it made before as stale.
+    """
+    expect_module("release_workspaces", "model", model)
+    ensure_hook()
+    STEPS.advance()
+    gathered = fsdp2_gathered_parameters(model)
+    return sum(release_module(module, gathered) for _, module in te_modules(model))
+
+
+# -- the GEMM watch -----------------------------------------------------------------
+@dataclass(frozen=True)
+class StaleRead:
+    """A GEMM operand whose transpose, about to be read, was stale."""
+
+    #: The TE file's GEMM (``linear.general_gemm``...).
+    site: str
+    #: ``A`` or ``B``, and the index within a grouped GEMM's list.
+    operand: str
+    #: Where the tensor is in the watched model (``layers.0.weight``), or "".
+    where: str
+
+
+#: Positions of ``layout`` in the two GEMM functions' signatures (TE 2.20.2).
+_LAYOUT_POSITION = {"general_gemm": 9, "general_grouped_gemm": 5}
+
+
+@dataclass
+class StaleReadWatch:
+    """What :func:`check_stale_reads` saw: ``reads`` (every stale read,
+    with ``action="count"``), and how many operand transposes it compared."""
+
+    action: str
+    model: torch.nn.Module | None = None
+    reads: list[StaleRead] = field(default_factory=list)
+    compared: int = 0
+
+    def inspect(self, site: str, name: str, args: tuple, kwargs: dict) -> None:
+        position = _LAYOUT_POSITION[name]
+        layout = kwargs.get("layout", args[position] if len(args) > position else "TN")
+        for label, index, read_columnwise in (("A", 0, layout[0] == "N"), ("B", 1, layout[1] == "T")):
+            operand = kwargs.get(label, args[index] if len(args) > index else None)
+            if not read_columnwise or operand is None:
+                continue
+            tensors = operand if isinstance(operand, (list, tuple)) else [operand]
+            for i, tensor in enumerate(tensors):
+                self._check(site, label if len(tensors) == 1 else f"{label}[{i}]", tensor)
+
+    def _check(self, site: str, label: str, tensor: Any) -> None:
+        matches = transpose_matches(tensor)
+        if matches is None:
+            return
+        self.compared += 1
+        if matches:
+            return
+        read = StaleRead(site, label, self._where(tensor))
+        if self.action == "raise":
+            raise StaleWorkspaceError(
+                f"{site} was about to read a stale FP8 transpose as operand {label}"
+                f"{' (' + read.where + ')' if read.where else ''}: it is flagged valid but is not the transpose "
+                "of the tensor's current data (written in place since, e.g. by TE's FusedAdam, or refilled by "
+                "an FSDP2 all-gather). The drop-in modules never read one (docs/decisions.md, D12); for stock "
+                "modules call the tensor's _reset_caches() after each optimizer step.")
+        self.reads.append(read)
+
+    def _where(self, tensor: Any) -> str:
+        if self.model is None:
+            return ""
+        for name, param in self.model.named_parameters():
+            if param is tensor or getattr(param, "_local_tensor", None) is tensor:
+                return name
+        for owner, name, gathered in fsdp2_gathered_parameters(self.model):
+            if gathered is tensor:
+                path = next((p for p, m in self.model.named_modules() if m is owner), "")
+                return f"{path}.{name}" if path else name
+        return ""
+
+
+def gemm_sites() -> list[tuple[Any, str, str]]:
+    """``(TE module file, function name, label)`` of every GEMM call site
+    of the module kinds the binding knows (TE's and te.ops's files)."""
+    sites = list(getattr(te, "GEMM_SITES", ())) + list(getattr(te_ops, "GEMM_SITES", ()))
+    return [(module, name, f"{module.__name__.rsplit('.', 1)[-1]}.{name}") for module, name in sites]
+
+
+def check_stale_reads(model: torch.nn.Module | None = None, *, action: str = "raise"
+                      ) -> contextlib.AbstractContextManager[StaleReadWatch]:
+    """Watch every GEMM of TE's Linear, LayerNormLinear, LayerNormMLP,
+    GroupedLinear and te.ops linear ops while the block runs: an FP8 operand
+    whose transpose the GEMM reads (dgrad on Hopper) is compared with the
+    transpose of its current data. ``action="raise"`` raises
+    :class:`StaleWorkspaceError` at the first stale one; ``"count"`` lists
+    them in the returned watch's ``reads``. ``model`` (optional) names the
+    tensors in messages. Opt-in: it costs a compare per such operand."""
+    if model is not None:
+        expect_module("check_stale_reads", "model", model)
+    if action not in ("raise", "count"):
+        raise ValueError(f"check_stale_reads: action must be 'raise' or 'count'; received {action!r}.")
+    return _watching(StaleReadWatch(action, model))
+
+
+_ACTIVE_WATCH: list[StaleReadWatch] = []
+
+
+@contextlib.contextmanager
+def _watching(watch: StaleReadWatch) -> Iterator[StaleReadWatch]:
+    if _ACTIVE_WATCH:
+        raise RuntimeError("check_stale_reads is already active; watches do not nest")
+    swapped = []
+    for module, name, label in gemm_sites():
+        original = getattr(module, name)
+        setattr(module, name, _watched(original, label, name, watch))
+        swapped.append((module, name, original))
+    _ACTIVE_WATCH.append(watch)
+    try:
+        yield watch
+    finally:
+        _ACTIVE_WATCH.clear()
+        for module, name, original in reversed(swapped):
+            setattr(module, name, original)
+
+
+def _watched(original: Any, label: str, name: str, watch: StaleReadWatch) -> Any:
+    def gemm(*args: Any, **kwargs: Any) -> Any:
+        watch.inspect(label, name, args, kwargs)
+        return original(*args, **kwargs)
+
+    gemm.__wrapped__ = original
+    return gemm

@@ -1,0 +1,250 @@
+"""No weight copy outlives its source (docs/decisions.md, D12), on the CPU stand-in.
+
+The stand-in's quantized weights follow TE's per-tensor FP8 layout (rowwise
+``_data``, a derived ``_transpose`` with its validity flag), and its dgrad
+GEMM reads the transpose, as Hopper's does. Each test writes a weight the
+way a real run does (an FP8 optimizer kernel that rewrites ``_data`` alone,
+an in-place write, a move) and checks that the drop-in reads copies of the
+current weight while stock TE, on the same stand-in, reads the old one:
+the stock half shows each test can fail.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+from _fake_te import Float8CurrentScalingQuantizer, QuantizedTensorStorage, TELinear, _round, load_full_binding
+
+from workspace_manager import fsdp2_gathered_parameters
+
+
+@pytest.fixture
+def ti(monkeypatch):
+    binding = load_full_binding(monkeypatch)
+    binding.stale = importlib.import_module("te_integration._stale")
+    binding.freshness = sys.modules["te_integration._freshness"]
+    compat = sys.modules["te_integration._compat"]
+    monkeypatch.setattr(compat, "GEMM_SITES", ((binding.files["linear"], "general_gemm"),), raising=False)
+    return binding
+
+
+def _quantized_weight(weight: torch.Tensor):
+    """A quantized parameter as ``quantized_model_init`` makes it: both usages,
+    saved whole for backward (a QuantizedTensor, not an internal storage)."""
+    qp = Float8CurrentScalingQuantizer().quantize(weight)
+    qp.internal = False
+    return qp
+
+
+def _with_weight(module, weight):
+    del module.weight  # the stand-in's quantized weight is no torch.Tensor
+    module.weight = weight
+    return module
+
+
+def _fp8_optimizer_write(qp, new_weight: torch.Tensor) -> None:
+    """What TE's FusedAdam does to a DelayedScaling FP8 parameter: rewrite
+    the rowwise data in place, leave the transpose flagged valid."""
+    qp._data.copy_(_round(new_weight))
+
+
+def _any_optimizer_step() -> None:
+    """A torch.optim step (FusedAdam is one): the global step hooks run."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
+
+
+def _input_grad(module) -> torch.Tensor:
+    x = torch.ones(4, 8, requires_grad=True)
+    module(x).sum().backward()
+    return x.grad
+
+
+def test_after_an_optimizer_step_dgrad_reads_the_current_weights_transpose(ti):
+    w0, w1 = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    managed = _with_weight(ti.modules.convert_model(TELinear(8, 8)), _quantized_weight(w0))
+    stock = _with_weight(TELinear(8, 8), _quantized_weight(w0))
+    for module in (managed, stock):
+        _input_grad(module)  # step 1 derives the transpose
+        _fp8_optimizer_write(module.weight, w1)
+    assert managed in ti.step_hook.tracked() and stock not in ti.step_hook.tracked()
+    _any_optimizer_step()
+    current, old = torch.ones(4, 8) @ _round(w1), torch.ones(4, 8) @ _round(w0)
+    assert torch.equal(_input_grad(managed), current)
+    assert torch.equal(_input_grad(stock), old)  # stock TE's stale read, on the same stand-in
+
+
+class QParam(torch.nn.Parameter, QuantizedTensorStorage):
+    """A quantized parameter registered as a parameter (as TE's are), with
+    the per-tensor FP8 layout; for the paths that walk a module's parameters."""
+
+
+def _registered_quantized_param() -> QParam:
+    param = QParam(torch.zeros(8, 8))
+    param._data, param._transpose, param._transpose_invalid = torch.ones(8, 8), torch.ones(8, 8), False
+    return param
+
+
+def test_a_step_marks_a_drop_ins_parameter_transposes_invalid_at_once(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    param = managed.weight = _registered_quantized_param()
+    ti.step_hook.track(managed)  # what the module's first planned call of a quantized parameter does
+    _any_optimizer_step()
+    assert param._transpose_invalid and param._transpose is not None  # the buffer stays, for TE to reuse
+
+
+def test_a_later_microbatch_after_an_in_place_write_refreshes_the_cached_workspace(ti):
+    managed, stock = ti.modules.convert_model(TELinear(8, 8, seed=3)), TELinear(8, 8, seed=3)
+    x = torch.randn(4, 8)
+    for module in (managed, stock):
+        module(x, is_first_microbatch=True)
+        with torch.no_grad():
+            module.weight.add_(1.0)  # moves the version counter
+    expected = x @ _round(managed.weight).t()
+    assert torch.equal(managed(x, is_first_microbatch=False), expected)
+    assert not torch.equal(stock(x, is_first_microbatch=False), expected)
+
+
+def test_a_later_microbatch_after_an_optimizer_step_refreshes_the_cached_workspace(ti):
+    managed, stock = ti.modules.convert_model(TELinear(8, 8, seed=4)), TELinear(8, 8, seed=4)
+    x = torch.randn(4, 8)
+    for module in (managed, stock):
+        module(x, is_first_microbatch=True)
+        module.weight.data.add_(1.0)  # ``.data``: no version change; only the step says so
+    _any_optimizer_step()
+    expected = x @ _round(managed.weight).t()
+    assert torch.equal(managed(x, is_first_microbatch=False), expected)
+    assert not torch.equal(stock(x, is_first_microbatch=False), expected)
+
+
+def test_within_a_step_a_later_microbatch_reuses_the_cache(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    x = torch.randn(4, 8)
+    managed(x, is_first_microbatch=True)
+    entry = managed._fp8_workspaces["weight"]
+    refreshes = entry.refreshes
+    managed(x, is_first_microbatch=False)
+    assert managed._fp8_workspaces["weight"] is entry and entry.refreshes == refreshes
+
+
+def test_moving_a_drop_in_releases_its_copies_and_a_move_to_the_same_place_does_not(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    managed(torch.randn(4, 8), is_first_microbatch=True)
+    managed.cpu()  # already there: nothing moved
+    assert "weight" in managed._fp8_workspaces
+    managed.to(torch.float64)
+    assert managed._fp8_workspaces == {}
+
+
+def test_loading_a_state_dict_releases_the_copies_of_the_replaced_weights(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    managed(torch.randn(4, 8), is_first_microbatch=True)
+    managed.load_state_dict({"weight": torch.randn(8, 8)})
+    assert managed._fp8_workspaces == {}
+
+
+def test_release_workspaces_frees_drop_in_and_stock_copies_and_counts_their_bytes(ti):
+    model = torch.nn.Sequential(ti.modules.convert_model(TELinear(8, 8)), TELinear(8, 8), TELinear(8, 8))
+    model[2].weight = _registered_quantized_param()
+    x = torch.randn(4, 8)
+    model[0](x, is_first_microbatch=True)
+    model[1](x, is_first_microbatch=True)
+    # Each cache entry holds 8 x 8 rowwise and 8 x 8 columnwise float32 values and a scale;
+    # the quantized weight's transpose is 8 x 8.
+    expected = 2 * (2 * 8 * 8 * 4 + 4) + 8 * 8 * 4
+    assert ti.stale.release_workspaces(model) == expected
+    assert model[0]._fp8_workspaces == {} and model[1]._fp8_workspaces == {}
+    assert model[2].weight._transpose is None and model[2].weight._data is not None
+    assert ti.stale.release_workspaces(model) == 0
+
+
+def test_release_workspaces_makes_the_next_microbatch_quantize_again(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    x = torch.randn(4, 8)
+    managed(x, is_first_microbatch=True)
+    ti.stale.release_workspaces(managed)
+    managed.weight.data.add_(1.0)
+    assert torch.equal(managed(x, is_first_microbatch=False), x @ _round(managed.weight).t())
+
+
+def test_stale_workspaces_finds_stocks_stale_transpose_and_none_in_the_drop_in(ti):
+    model = torch.nn.ModuleDict({"managed": ti.modules.convert_model(TELinear(8, 8)), "stock": TELinear(8, 8)})
+    for module in model.values():
+        module.weight = _registered_quantized_param()
+        module.weight._transpose = module.weight._data.t().clone()  # derived in step 1
+        assert ti.stale.stale_workspaces(module) == []
+        _fp8_optimizer_write(module.weight, torch.randn(8, 8))
+    ti.step_hook.track(model["managed"])  # as its first planned call of a quantized parameter does
+    _any_optimizer_step()
+    found = ti.stale.stale_workspaces(model)
+    assert [(s.module, s.weight, s.kind) for s in found] == [("stock", "weight", ti.stale.StaleKind.TRANSPOSE_MISMATCH)]
+    assert found[0].nbytes == 8 * 8 * 4 and "stock.weight" in str(found[0])
+
+
+def test_stale_workspaces_finds_a_drop_ins_cache_entry_made_before_the_weight_changed(ti):
+    managed = ti.modules.convert_model(TELinear(8, 8))
+    managed(torch.randn(4, 8), is_first_microbatch=True)
+    assert ti.stale.stale_workspaces(managed) == []
+    with torch.no_grad():
+        managed.weight.add_(1.0)
+    (found,) = ti.stale.stale_workspaces(managed)
+    assert found.kind is ti.stale.StaleKind.CACHE_OLDER_THAN_WEIGHT and found.weight == "weight"
+
+
+def test_check_stale_reads_raises_at_stocks_dgrad_and_counts_none_for_the_drop_in(ti):
+    w0, w1 = torch.randn(8, 8), torch.randn(8, 8)
+    managed = _with_weight(ti.modules.convert_model(TELinear(8, 8)), _quantized_weight(w0))
+    stock = _with_weight(TELinear(8, 8), _quantized_weight(w0))
+    for module in (managed, stock):
+        _input_grad(module)
+        _fp8_optimizer_write(module.weight, w1)
+    _any_optimizer_step()
+    with ti.stale.check_stale_reads(action="count") as watch:
+        _input_grad(managed)
+    assert watch.reads == [] and watch.compared == 1
+    with pytest.raises(ti.stale.StaleWorkspaceError, match="linear.general_gemm .*operand A"):
+        with ti.stale.check_stale_reads(stock):
+            _input_grad(stock)
+    assert ti.files["linear"].general_gemm.__name__ == "general_gemm"  # the watch put TE's GEMM back
+
+
+def test_check_stale_reads_refuses_bad_arguments(ti):
+    with pytest.raises(ValueError, match="action must be 'raise' or 'count'"):
+        ti.stale.check_stale_reads(action="warn")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ti.stale.check_stale_reads("model")
+    with pytest.raises(TypeError, match="release_workspaces: model must be a torch.nn.Module"):
+        ti.stale.release_workspaces(None)
+
+
+class _FP8Copy:
+    """A per-tensor FP8 copy with real E4M3 bytes, as TE's storage holds them."""
+
+    _fp8_dtype = "DType.kFloat8E4M3"
+
+    def __init__(self, weight: torch.Tensor, scale: float) -> None:
+        self._scale_inv = torch.tensor(1.0 / scale)
+        self._data = (weight * scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        self.shape = weight.shape
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return self._data.view(torch.float8_e4m3fn).to(dtype) * self._scale_inv
+
+
+def test_the_value_check_accepts_rounding_and_saturation_and_finds_a_changed_weight(ti):
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    copy = _FP8Copy(weight, scale=448 / weight.abs().max().item())
+    assert not ti.stale.disagrees_with(copy, weight)
+    saturating = _FP8Copy(weight, scale=2 * 448 / weight.abs().max().item())  # the largest values clamp
+    assert not ti.stale.disagrees_with(saturating, weight)
+    moved = weight.clone()
+    moved[3, 5] += 0.5
+    assert ti.stale.disagrees_with(copy, moved)
+
+
+def test_fsdp2_gathered_parameters_of_an_unsharded_model_are_none_and_a_non_module_is_refused():
+    assert fsdp2_gathered_parameters(torch.nn.Linear(2, 2)) == []
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        fsdp2_gathered_parameters("model")
