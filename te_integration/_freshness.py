@@ -116,19 +116,25 @@ def held_copies(module: Any, gathered: list | None = None) -> Iterator[HeldCopy]
             yield HeldCopy(module, name, "gathered_transpose", tensor)
 
 
-def _invalidate_tracked() -> None:
-    """At the step: the drop-ins' quantized parameters' transposes are
-    marked invalid at once (the next forward would, too; now, so that no
-    valid-flagged stale transpose exists between steps, for inspection and
-    for anything that reads the parameters before that forward)."""
+def _refresh_tracked() -> None:
+    """At the step: the drop-ins' quantized parameters' transposes are made
+    again from the data the optimizer just wrote (the next forward would
+    mark them invalid; done now, no valid-flagged stale transpose exists
+    between steps, and the parameter keeps the usages its plan says,
+    ``parameter_keeps``). TE's transpose kernel writes into the existing
+    buffer: no memory moves."""
     for module in tracked():
         for param in module.parameters(recurse=False):
             local = getattr(param, "_local_tensor", param)
-            if isinstance(local, te.QuantizedTensorStorage):
-                refresh_parameter(local)
+            if not isinstance(local, te.QuantizedTensorStorage):
+                continue
+            kept = is_per_tensor(local) and local._transpose is not None and local._data is not None
+            refresh_parameter(local)
+            if kept:
+                local.update_usage(columnwise_usage=True)
 
 
-add_step_task(_invalidate_tracked)
+add_step_task(_refresh_tracked)
 
 
 def copy_nbytes(copy: HeldCopy) -> int:

@@ -146,15 +146,24 @@ def _why_stale(copy: HeldCopy) -> tuple[StaleKind, str] | None:
     matches = transpose_matches(copy.tensor)
     if matches is False:
         return StaleKind.TRANSPOSE_MISMATCH, "the transpose flagged valid is not the transpose of the data"
-    if matches is None and copy.kind == "gathered_transpose" and _data_freed(copy.tensor):
-        return StaleKind.OUTLIVES_RESHARD, ("FSDP2 freed the gathered data; its next all-gather refills it and "
-                                            "TE keeps this transpose, which then holds the previous weights")
+    if copy.kind == "gathered_transpose" and not copy.tensor._transpose_invalid and _gathered_is_old(copy):
+        return StaleKind.OUTLIVES_RESHARD, ("FSDP2's next all-gather refills this parameter's data from the "
+                                            "updated shard and TE keeps this transpose, which holds older weights")
     return None
 
 
-def _data_freed(tensor: Any) -> bool:
-    data = tensor._data
-    return data is not None and data.untyped_storage().nbytes() == 0
+def _gathered_is_old(copy: HeldCopy) -> bool:
+    """FSDP2 freed the gathered data (the reshard), or, where the shard is
+    the whole tensor (one rank), the gathered data is not the shard's now."""
+    data = copy.tensor._data
+    if data is None:
+        return False
+    if data.untyped_storage().nbytes() == 0:
+        return True
+    param = dict(copy.module.named_parameters(recurse=False)).get(copy.weight)
+    shard = getattr(param, "_local_tensor", None)
+    shard_data = getattr(shard, "_data", None)
+    return shard_data is not None and shard_data.shape == data.shape and not torch.equal(shard_data, data)
 
 
 def stale_workspaces(model: torch.nn.Module) -> list[StaleCopy]:
@@ -209,6 +218,13 @@ class StaleRead:
     operand: str
     #: Where the tensor is in the watched model (``layers.0.weight``), or "".
     where: str
+    #: The GEMM's layout, the operand's shape, and which GEMM of the watch it was (from 0).
+    layout: str = ""
+    shape: tuple = ()
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.site} #{self.index} {self.layout} {self.operand} {list(self.shape)} {self.where or '?'}"
 
 
 #: Positions of ``layout`` in the two GEMM functions' signatures (TE 2.20.2).
@@ -224,26 +240,28 @@ class StaleReadWatch:
     model: torch.nn.Module | None = None
     reads: list[StaleRead] = field(default_factory=list)
     compared: int = 0
+    gemms: int = 0
 
     def inspect(self, site: str, name: str, args: tuple, kwargs: dict) -> None:
         position = _LAYOUT_POSITION[name]
         layout = kwargs.get("layout", args[position] if len(args) > position else "TN")
+        self.gemms += 1
         for label, index, read_columnwise in (("A", 0, layout[0] == "N"), ("B", 1, layout[1] == "T")):
             operand = kwargs.get(label, args[index] if len(args) > index else None)
             if not read_columnwise or operand is None:
                 continue
             tensors = operand if isinstance(operand, (list, tuple)) else [operand]
             for i, tensor in enumerate(tensors):
-                self._check(site, label if len(tensors) == 1 else f"{label}[{i}]", tensor)
+                self._check(site, label if len(tensors) == 1 else f"{label}[{i}]", tensor, layout)
 
-    def _check(self, site: str, label: str, tensor: Any) -> None:
+    def _check(self, site: str, label: str, tensor: Any, layout: str) -> None:
         matches = transpose_matches(tensor)
         if matches is None:
             return
         self.compared += 1
         if matches:
             return
-        read = StaleRead(site, label, self._where(tensor))
+        read = StaleRead(site, label, self._where(tensor), layout, tuple(tensor.shape), self.gemms - 1)
         if self.action == "raise":
             raise StaleWorkspaceError(
                 f"{site} was about to read a stale FP8 transpose as operand {label}"

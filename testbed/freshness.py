@@ -9,8 +9,8 @@
 * :func:`reference_reset`: what makes stock TE right after an optimizer
   step, the reference the drop-ins must equal bit for bit where stock reads
   a stale copy: TE's own ``_reset_caches()`` on every quantized parameter
-  (its transpose is derived again from the current data) and, under FSDP2,
-  the transpose of each unsharded parameter FSDP2 keeps cleared.
+  with a transpose, which is then derived again from the current data, and,
+  under FSDP2, the transpose of each unsharded parameter FSDP2 keeps cleared.
 * :func:`train`: a few optimizer steps, recording what must be equal.
 
 TE, CUDA and ``te_integration`` are imported inside the functions.
@@ -91,6 +91,9 @@ def reference_reset(model: torch.nn.Module) -> int:
         local = getattr(param, "_local_tensor", param)
         if hasattr(local, "_reset_caches") and getattr(local, "_transpose", None) is not None:
             local._reset_caches()
+            # Made again now, as the next use would: te.ops's grouped op reads
+            # the columnwise data as it finds it and derives none.
+            local.update_usage(columnwise_usage=True)
             count += 1
     for _, _, gathered in fsdp2_gathered_parameters(model):
         if getattr(gathered, "_transpose", None) is not None:
@@ -116,8 +119,11 @@ class TrainRecord:
 
     losses: list[float] = field(default_factory=list)
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    #: Stale reads the GEMM watch counted (``check_stale_reads(action="count")``).
+    #: Stale reads the GEMM watch counted (``check_stale_reads(action="count")``),
+    #: in all and per step, and the first few described.
     stale_reads: int = 0
+    stale_reads_per_step: list[int] = field(default_factory=list)
+    stale_read_examples: list[str] = field(default_factory=list)
     #: Stale copies ``stale_workspaces`` found after each step, before the next forward.
     stale_found: list[int] = field(default_factory=list)
 
@@ -163,8 +169,11 @@ def train(model: torch.nn.Module, recipe, optimizer: str, steps: int = 4, *, aft
                 after_step(model)
             if watch:
                 record.stale_found.append(len(ti.stale_workspaces(model)))
+                record.stale_reads_per_step.append(len(seen.reads) - sum(record.stale_reads_per_step))
             _snapshot(record, model, step)
-    record.stale_reads = len(seen.reads) if watch else 0
+    if watch:
+        record.stale_reads = len(seen.reads)
+        record.stale_read_examples = [str(read) for read in seen.reads[:6]]
     return record
 
 

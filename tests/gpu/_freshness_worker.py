@@ -69,6 +69,8 @@ def _training_case(report: dict, case: dict, recipe) -> None:
                      stock_dx_error=input_grad_error(stock, ref), managed_dx_error=input_grad_error(managed, ref),
                      losses={v: r.losses for v, r in runs.items()},
                      stale_reads={v: r.stale_reads for v, r in runs.items()},
+                     stale_reads_per_step={v: r.stale_reads_per_step for v, r in runs.items()},
+                     stale_read_examples={v: r.stale_read_examples for v, r in runs.items()},
                      stale_found={v: r.stale_found for v, r in runs.items()})
     report["cases"].append(entry)
 

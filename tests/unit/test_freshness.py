@@ -80,6 +80,10 @@ class QParam(torch.nn.Parameter, QuantizedTensorStorage):
     """A quantized parameter registered as a parameter (as TE's are), with
     the per-tensor FP8 layout; for the paths that walk a module's parameters."""
 
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None) -> None:
+        if columnwise_usage and (self._transpose is None or self._transpose_invalid):
+            self._transpose, self._transpose_invalid = self._data.t().contiguous(), False
+
 
 def _registered_quantized_param() -> QParam:
     param = QParam(torch.zeros(8, 8))
@@ -87,12 +91,14 @@ def _registered_quantized_param() -> QParam:
     return param
 
 
-def test_a_step_marks_a_drop_ins_parameter_transposes_invalid_at_once(ti):
+def test_a_step_makes_a_drop_ins_parameter_transposes_again_from_the_new_data(ti):
     managed = ti.modules.convert_model(TELinear(8, 8))
     param = managed.weight = _registered_quantized_param()
     ti.step_hook.track(managed)  # what the module's first planned call of a quantized parameter does
+    _fp8_optimizer_write(param, torch.randn(8, 8))
     _any_optimizer_step()
-    assert param._transpose_invalid and param._transpose is not None  # the buffer stays, for TE to reuse
+    # Current, valid, and the plan's usages kept (rowwise and columnwise).
+    assert not param._transpose_invalid and torch.equal(param._transpose, param._data.t())
 
 
 def test_a_later_microbatch_after_an_in_place_write_refreshes_the_cached_workspace(ti):
