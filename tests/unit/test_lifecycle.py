@@ -8,17 +8,21 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import initialize
 
 from workspace_manager import (
+    BackwardOverride,
     FSDP2WorkspacePolicy,
+    KeepForBackwardWorkspacePolicy,
     Microbatch,
     MicrobatchCache,
     QuantizerCapabilities,
+    RecomputePass,
     Release,
     Sharding,
+    Usage,
     WeightSource,
     WorkspaceContext,
 )
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, MXFP8
-from workspace_manager.testing import FakeQuantizer, ModuleRuntime, RuntimeModelError
+from workspace_manager.testing import FakeQuantizer, LifecycleSession, ModuleRuntime, RuntimeModelError
 from workspace_manager.testing.invariants import every_option_on
 from workspace_manager.testing.lifecycle import WorkspaceLifecycleMachine
 from workspace_manager.testing.reference import REFERENCE_CAPABILITIES, Float8PerTensorQuantizer
@@ -193,3 +197,22 @@ def test_state_machine_catches_a_quantizer_that_keeps_derived_data():
                 phases=[Phase.explicit, Phase.generate],
             ),
         )
+
+
+def _kept_for_backward_session() -> LifecycleSession:
+    pinned = KeepForBackwardWorkspacePolicy()
+    rt = ModuleRuntime(FakeQuantizer(FLOAT8_CURRENT_SCALING), sharding=Sharding.FSDP2_RESHARD, pinned=pinned)
+    session = LifecycleSession(rt, use_microbatches=False)
+    session.forward(grad=True, input_requires_grad=True, recompute=RecomputePass.NONE, override=BackwardOverride.NONE)
+    return session
+
+
+def test_a_pinned_keep_for_backward_policy_may_keep_its_saved_copy_under_fsdp2_resharding():
+    """The one exception to TE#2681, asked for: the saved copy is allowed,
+    and nothing else is."""
+    session = _kept_for_backward_session()
+    assert session.runtime.saved_workspaces()
+    session.check_invariants()
+    session.runtime.cache = session.runtime.quantizer.quantize(0, Usage.ROWWISE, "cache")
+    with pytest.raises(AssertionError, match=r"12288 quantized bytes alive under FSDP2 \(8192 saved on purpose\)"):
+        session.fsdp2_reshard_keeps_no_quantized_copy()

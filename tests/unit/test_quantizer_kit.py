@@ -4,6 +4,7 @@ are rejected with a report that names the quantizer and the failed check."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from workspace_manager import (
 )
 from workspace_manager.testing import (
     CheckStatus,
+    Freshness,
     QuantizerCheckError,
+    QuantizerRuntime,
     QuantizerUnderTest,
     check_quantizer,
 )
@@ -237,3 +240,25 @@ def test_an_unregistered_quantizer_is_told_how_to_pass_its_capabilities():
     assert message.endswith("Or pass them to the kit: check_quantizer(Float8PerTensorQuantizer, capabilities=...) "
                             "(the reference quantizer's are workspace_manager.testing.reference."
                             "REFERENCE_CAPABILITIES).")
+
+
+@pytest.mark.parametrize(
+    "freshness, write",
+    [(Freshness.VERSION_COUNTER, "silent optimizer write"), (Freshness.STEP_GENERATION, "in-place write")],
+    ids=["blind-to-silent-writes", "blind-to-in-place-writes"],
+)
+def test_the_lifecycle_walks_catch_a_runtime_that_reads_a_stale_copy(monkeypatch, freshness, write):
+    """The walks write the weight behind the version counter's back and in
+    place; a runtime missing one of the two freshness checks reads a copy of
+    older data, and the report says which and after what."""
+    import workspace_manager.testing._walks as walks
+
+    monkeypatch.setattr(walks, "QuantizerRuntime", functools.partial(QuantizerRuntime, freshness=freshness))
+    report = check_quantizer(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, **FAST)
+    failed = {r.name: r.reason for r in report.failures}
+    assert failed and all("stale copy: the " in reason for reason in failed.values())
+    assert any(write in reason for reason in failed.values())  # the write that made it stale, in the trace
+    # Under the default policies only a whole weight keeps a copy from one
+    # call to the next (the microbatch cache, the FP8 parameter's transpose);
+    # FSDP2 and distributed weights keep none across a write.
+    assert all(name.startswith("lifecycle: none ") for name in failed)

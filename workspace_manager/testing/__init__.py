@@ -16,7 +16,7 @@
 
 from ._adapter import QuantizerAdapter, QuantizerRuntime
 from ._kit import DEFAULT_SHAPES, check_quantizer
-from ._model import FakeQuantizer, FakeWorkspace, ModuleRuntime, RuntimeModelError
+from ._model import FakeQuantizer, FakeWorkspace, Freshness, ModuleRuntime, RuntimeModelError, WeightWrite
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, QuantizerCheckError, QuantizerReport
 from ._session import LifecycleSession
@@ -35,6 +35,8 @@ __all__ = [
     "FakeWorkspace",
     "ModuleRuntime",
     "RuntimeModelError",
+    "Freshness",
+    "WeightWrite",
     "QuantizerAdapter",
     "QuantizerRuntime",
     "LifecycleSession",

@@ -3,9 +3,12 @@
 :class:`QuantizerAdapter` stands where :class:`FakeQuantizer` stands in
 :class:`ModuleRuntime`: every workspace it hands out is a handle of the
 quantizer under test, and every byte it reports is that quantizer's
-``bytes_held``. :class:`QuantizerRuntime` also keeps the quantized
+``bytes_held``. :class:`QuantizerRuntime` also keeps an FSDP2 quantized
 parameter as a real handle, so that deriving and clearing its columnwise
 data goes through the quantizer's ``update_usage`` and ``clear_derived``.
+A whole quantized parameter's derived data is followed by its origin alone:
+the protocol cannot rewrite a handle's rowwise data in place and keep what
+was derived from the old data, which is what a fused optimizer does to it.
 """
 
 from __future__ import annotations
@@ -19,14 +22,21 @@ import torch
 from .._context import QuantizerCapabilities, Sharding, WeightSource
 from .._plan import Usage
 from .._policy import WorkspacePolicy
-from ._model import FakeQuantizer, FakeWorkspace, ModuleRuntime, RuntimeModelError
+from ._model import FakeQuantizer, FakeWorkspace, Freshness, ModuleRuntime, RuntimeModelError
 from ._protocol import QuantizerUnderTest
 
 __all__ = ["HandleWorkspace", "QuantizerAdapter", "QuantizerRuntime", "versioned_weights"]
 
 
 def versioned_weights(shape: tuple[int, int], *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Callable[[int], torch.Tensor]:
-    """A deterministic weight per optimizer-step version."""
+    """A deterministic weight per data version.
+
+    Keyed by the runtime's data version, the truth, never by what a binding
+    observes (:class:`~workspace_manager.testing._model.Observed`): a write
+    that moves no version counter still changes the bytes quantized next.
+    Two versions give different random weights, so a copy whose version
+    label is old holds other bytes than a copy of the current data, and the
+    runtime's stale-read check by label is a check of the real bytes."""
     cache: dict[int, torch.Tensor] = {}
 
     def weight(version: int) -> torch.Tensor:
@@ -114,8 +124,9 @@ class QuantizerRuntime(ModuleRuntime):
         sharding: Sharding = Sharding.NONE,
         weight: WeightSource = WeightSource.HIGH_PRECISION,
         pinned: WorkspacePolicy | None = None,
+        freshness: Freshness = Freshness.FULL,
     ) -> None:
-        super().__init__(adapter, sharding=sharding, weight=weight, pinned=pinned)
+        super().__init__(adapter, sharding=sharding, weight=weight, pinned=pinned, freshness=freshness)
         self.adapter = adapter
         self.param_handle: Any = None
         self.param_rowwise_bytes = 0
@@ -123,7 +134,10 @@ class QuantizerRuntime(ModuleRuntime):
 
     def _parameter_updated(self) -> None:
         # FSDP2 shards the rowwise data of a quantized parameter; anything
-        # else on it is derived by the backward all-gather.
+        # else on it is derived by the backward all-gather. A new handle for
+        # new data hides no stale bytes: writes come only while no backward
+        # is pending, when the plans have cleared the derived data already
+        # (the session checks that an idle FSDP2 parameter holds none).
         if self.weight is WeightSource.QUANTIZED_PARAM and self.sharding.is_fsdp2:
             self.param_handle = self.adapter.quantize_handle(self.version, Usage.ROWWISE)
             self.param_rowwise_bytes = int(self.adapter.target.bytes_held(self.param_handle))

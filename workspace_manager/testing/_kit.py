@@ -13,9 +13,11 @@ It runs, in order:
    one result and not counted among the checks of the quantizer: they read
    only the capability flags, which the core's own tests cover;
 5. ``lifecycle: <setting>``: seeded random walks of forward, backward,
-   optimizer-step and reshard events per module setting, with live bytes
-   read from the quantizer's ``bytes_held``, checking after every event that
-   nothing a plan said to free is alive.
+   reshard and weight-write events (an optimizer step, a silent optimizer
+   write that moves no version counter, an in-place write) per module
+   setting, with live bytes read from the quantizer's ``bytes_held``,
+   checking after every event that nothing a plan said to free is alive and
+   that no read takes a copy made from older data than the weight's.
 
 Everything is deterministic for a given ``seed``; nothing needs Hypothesis.
 """

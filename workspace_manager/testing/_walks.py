@@ -2,7 +2,8 @@
 
 For each module setting (sharding x weight source x microbatches) the kit
 walks a :class:`LifecycleSession` through random forward, backward,
-optimizer-step and reshard events, with the quantizer under test behind a
+reshard and weight-write events (an optimizer step, a silent optimizer
+write, an in-place write), with the quantizer under test behind a
 :class:`QuantizerAdapter`, checking every invariant after every event. The
 walks come from :class:`random.Random` seeded with the setting and ``seed``,
 so a run is reproducible; a failure reports the events that led to it.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._context import BackwardOverride, QuantizerCapabilities, RecomputePass, Sharding, WeightSource
+from .._context import BackwardOverride, Microbatch, QuantizerCapabilities, RecomputePass, Sharding, WeightSource
 from ._adapter import QuantizerAdapter, QuantizerRuntime, versioned_weights
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, describe_exception
@@ -35,6 +36,17 @@ def _setting_name(sharding: Sharding, weight: WeightSource, microbatches: bool) 
     return f"lifecycle: {sharding.value} {weight.value} {'microbatches' if microbatches else 'no microbatches'}"
 
 
+def _idle_events(session: LifecycleSession) -> tuple[tuple[float, str, Callable[[], None]], ...]:
+    """The events allowed while no backward is pending, with the roll below
+    which each is chosen."""
+    return (
+        (0.10, "optimizer step", session.optimizer_step),
+        (0.15, "silent optimizer write", session.silent_optimizer_write),
+        (0.20, "in-place write", session.inplace_write),
+        (0.28, "reshard", session.reshard),
+    )
+
+
 def _choose(session: LifecycleSession, rng: random.Random) -> tuple[str, Callable[[], str]]:
     """A random event allowed in the session's state: its label, and the
     action that runs it and returns what the plan said."""
@@ -42,16 +54,18 @@ def _choose(session: LifecycleSession, rng: random.Random) -> tuple[str, Callabl
     roll = rng.random()
     if not idle and roll < 0.35:
         return "backward", lambda: f" -> {session.backward().summary()}"
-    if idle and roll < 0.15:
-        return "optimizer step", lambda: session.optimizer_step() or ""
-    if idle and roll < 0.25:
-        return "reshard", lambda: session.reshard() or ""
+    for bound, label, event in _idle_events(session) if idle else ():
+        if roll < bound:
+            return label, lambda: event() or ""
     grad, dgrad = rng.random() < 0.85, rng.random() < 0.8
     recompute = rng.choice((RecomputePass.NONE, RecomputePass.NONE, RecomputePass.FIRST))
     override = rng.choice((BackwardOverride.NONE,) * 4 + tuple(BackwardOverride))
+    # a caller who says "later microbatch" whatever happened to the weight
+    claimed = Microbatch.LATER if session.use_microbatches and rng.random() < 0.15 else None
 
     def forward() -> str:
-        ctx, plan = session.forward(grad=grad, input_requires_grad=dgrad, recompute=recompute, override=override)
+        ctx, plan = session.forward(grad=grad, input_requires_grad=dgrad, recompute=recompute, override=override,
+                                    microbatch=claimed)
         return f" (microbatch={ctx.microbatch.name}) -> {plan.summary()}"
 
     label = f"forward(grad={grad}, input_requires_grad={dgrad}, recompute={recompute.name}, backward_override={override.name})"
@@ -110,7 +124,7 @@ def _check_setting(
             return CheckResult(name, CheckStatus.FAILED, _failure(err, trace, walk))
     return CheckResult(
         name, CheckStatus.PASSED,
-        f"{walks} walks of {steps} events: live bytes matched what every plan kept alive",
+        f"{walks} walks of {steps} events: live bytes matched what every plan kept alive; no read was stale",
     )
 
 
