@@ -30,6 +30,7 @@ from ._errors import (
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
+from ._hints import install_hint
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, probe_fsdp2_sharding
 from .attribution import (
     Lifetime,
@@ -131,6 +132,8 @@ __all__ = [
     "PROFILES",
     "RECIPE_PROFILES",
     "TE_QUANTIZER_PROFILES",
+    # how to install the optional parts (the te and test extras)
+    "install_hint",
     # errors
     "WorkspaceManagerError",
     "InvalidContextError",
