@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._context import QuantizerCapabilities
-from ._errors import UnknownRecipeError
+from ._errors import UnknownProfileError, UnknownRecipeError
 
 __all__ = [
     "FLOAT8_DELAYED_SCALING",
@@ -26,6 +26,7 @@ __all__ = [
     "HYBRID",
     "RECIPE_PROFILES",
     "RecipeProfiles",
+    "ProfileTable",
     "PROFILES",
     "TE_QUANTIZER_PROFILES",
 ]
@@ -111,9 +112,23 @@ RECIPE_PROFILES: Mapping[str, QuantizerCapabilities] = RecipeProfiles({
     "NVFP4BlockScaling": NVFP4_2D,
 })
 
+class ProfileTable(dict[str, QuantizerCapabilities]):
+    """A dict of capability profiles by their names. Looking up a name that
+    is no profile raises :class:`UnknownProfileError` (a KeyError) naming
+    the profiles, and ``RECIPE_PROFILES`` where the name is a TE recipe's."""
+
+    def __missing__(self, name: object) -> QuantizerCapabilities:
+        if isinstance(name, str) and name in RECIPE_PROFILES:
+            hint = f"; {name} is a TE recipe: its weight profile is RECIPE_PROFILES[{name!r}]"
+        else:
+            close = [p for p in self if isinstance(name, str) and p.lower() == name.lower()]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownProfileError(f"{name!r} is no capability profile; PROFILES knows {', '.join(self)}{hint}")
+
+
 #: Every profile defined here, by name.
-PROFILES: dict[str, QuantizerCapabilities] = {
-    p.name: p
+PROFILES: dict[str, QuantizerCapabilities] = ProfileTable(
+    (p.name, p)
     for p in (
         FLOAT8_DELAYED_SCALING,
         FLOAT8_CURRENT_SCALING,
@@ -124,7 +139,7 @@ PROFILES: dict[str, QuantizerCapabilities] = {
         NVFP4_1D,
         HYBRID,
     )
-}
+)
 
 
 def _float8_block(quantizer: Any) -> QuantizerCapabilities:
