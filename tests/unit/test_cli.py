@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -339,3 +340,40 @@ def test_the_default_tables_name_the_option_that_would_differ(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "MicrobatchCache.EXACT_FORMATS caches instead" in out
     assert "RecomputeCopy.BUILD_ONCE saves one instead" in out
+
+
+# -- when stdout goes away --------------------------------------------------------------------------
+def _explain_into(stdout, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workspace_manager", "explain", *args], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [(), ("--json",)])
+def test_a_closed_pipe_ends_quietly_as_sigpipe_would(args):
+    """``explain | true``: the reader is gone before the first write (its end
+    closed up front, so the write always fails, as it does when ``true`` exits
+    first): status 141, no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = _explain_into(write, *args)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_a_full_disk_ends_with_one_line_and_status_1():
+    """``explain > /dev/full``: every write fails with ENOSPC."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        result = _explain_into(full)
+    assert result.returncode == 1
+    assert result.stderr == "workspace_manager: could not write the output: No space left on device\n"
+
+
+def test_a_closed_stdout_ends_with_one_line_and_status_1():
+    """``explain >&-``: Python starts with no sys.stdout."""
+    result = subprocess.run(["sh", "-c", 'exec "$0" -m workspace_manager explain >&-', sys.executable],
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (1, "workspace_manager: stdout is closed; nothing was written\n")
