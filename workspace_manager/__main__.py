@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, TextOptions, decision_table, render_json, render_text
+from ._explain import POLICY_CHOICES, TextOptions, decision_table, recipe_dependent, render_json, render_text
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers
@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         return emit(render_json(rows) + "\n")
     named = bool(args.recipe or args.quantizer)
     options = TextOptions(width=args.width, why=args.why, merge=not args.full, capabilities=named)
-    return emit(render_text(rows, options))
+    hidden = None
+    if named and not args.full:  # the settings where the named quantizers' plans differ from another recipe's
+        rows, hidden = recipe_dependent(rows)
+    return emit(render_text(rows, options, hidden))
 
 
 def emit(text: str) -> int:
