@@ -22,8 +22,10 @@ from ._te_source import structure_problems
 SUPPORTED = "2.20"
 """TE major.minor this package binds to: ``>=2.20,<2.21``."""
 
-#: The te extra pins TE to SUPPORTED: installing it also replaces another version.
-_INSTALL_HINT = install_hint("te")
+#: For a SUPPORTED.x build that lacks pieces (which the te extra would keep): a released one.
+_INSTALL_HINT = "`pip install 'transformer_engine[pytorch]>=2.20,<2.21'`"
+#: TE missing or of another version: the te extra pins TE to SUPPORTED, so installing it replaces another.
+_TE_EXTRA_HINT = install_hint("te")
 
 
 class UnsupportedTEError(ImportError):
@@ -42,7 +44,7 @@ def _import_te() -> ModuleType:
         raise UnsupportedTEError(
             "te_integration needs TransformerEngine for PyTorch "
             f"{SUPPORTED}.x, which could not be imported ({err}). Install it with the te extra: "
-            f"{_INSTALL_HINT}; or use the TE-free core (`import workspace_manager`) alone."
+            f"{_TE_EXTRA_HINT}; or use the TE-free core (`import workspace_manager`) alone."
         ) from err
     return transformer_engine
 
@@ -52,7 +54,7 @@ VERSION: str = str(getattr(te, "__version__", "unknown"))
 if not VERSION.startswith(SUPPORTED + "."):
     raise UnsupportedTEError(
         f"te_integration supports TransformerEngine >={SUPPORTED},<2.21; the installed "
-        f"version is {VERSION}. Install a supported version with the te extra: {_INSTALL_HINT}; "
+        f"version is {VERSION}. Install a supported version with the te extra: {_TE_EXTRA_HINT}; "
         "or use the TE-free core (`import workspace_manager`) alone."
     )
 
