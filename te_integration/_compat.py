@@ -15,8 +15,6 @@ import warnings
 from dataclasses import dataclass
 from types import ModuleType
 
-from workspace_manager import install_hint
-
 from ._te_source import structure_problems
 
 SUPPORTED = "2.20"
@@ -24,8 +22,15 @@ SUPPORTED = "2.20"
 
 #: For a SUPPORTED.x build that lacks pieces (which the te extra would keep): a released one.
 _INSTALL_HINT = "`pip install 'transformer_engine[pytorch]>=2.20,<2.21'`"
-#: TE missing or of another version: the te extra pins TE to SUPPORTED, so installing it replaces another.
-_TE_EXTRA_HINT = install_hint("te")
+
+
+def _te_extra_hint() -> str:
+    """TE missing or of another version: the te extra pins TE to SUPPORTED,
+    so installing it replaces another. (Imported here, when a message needs
+    it: loading this layer alone imports nothing of the core.)"""
+    from workspace_manager import install_hint
+
+    return install_hint("te")
 
 
 class UnsupportedTEError(ImportError):
@@ -44,7 +49,7 @@ def _import_te() -> ModuleType:
         raise UnsupportedTEError(
             "te_integration needs TransformerEngine for PyTorch "
             f"{SUPPORTED}.x, which could not be imported ({err}). Install it with the te extra: "
-            f"{_TE_EXTRA_HINT}; or use the TE-free core (`import workspace_manager`) alone."
+            f"{_te_extra_hint()}; or use the TE-free core (`import workspace_manager`) alone."
         ) from err
     return transformer_engine
 
@@ -54,7 +59,7 @@ VERSION: str = str(getattr(te, "__version__", "unknown"))
 if not VERSION.startswith(SUPPORTED + "."):
     raise UnsupportedTEError(
         f"te_integration supports TransformerEngine >={SUPPORTED},<2.21; the installed "
-        f"version is {VERSION}. Install a supported version with the te extra: {_TE_EXTRA_HINT}; "
+        f"version is {VERSION}. Install a supported version with the te extra: {_te_extra_hint()}; "
         "or use the TE-free core (`import workspace_manager`) alone."
     )
 
