@@ -9,7 +9,7 @@ allocate themselves, and which re-quantize exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ._context import QuantizerCapabilities
@@ -73,6 +73,12 @@ HYBRID = QuantizerCapabilities(
     name="hybrid", columnwise_derivable=False, derived_caches=False, requantization_safe=False
 )
 
+def _did_you_mean(name: object, names: Iterable[str]) -> str:
+    """``; did you mean 'X'?`` where ``name`` is ``X`` in another case, else ''."""
+    close = [n for n in names if isinstance(name, str) and n.lower() == name.lower()]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 class RecipeProfiles(Mapping[str, QuantizerCapabilities]):
     """A read-only mapping of TE recipe class names to the capability profile
     of their weight quantizer. Looking up a name that is no recipe raises
@@ -85,8 +91,7 @@ class RecipeProfiles(Mapping[str, QuantizerCapabilities]):
         try:
             return self._profiles[recipe]
         except (KeyError, TypeError):
-            close = [r for r in self._profiles if isinstance(recipe, str) and r.lower() == recipe.lower()]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = _did_you_mean(recipe, self._profiles)
             raise UnknownRecipeError(
                 f"{recipe!r} is no TE recipe; RECIPE_PROFILES knows {', '.join(self._profiles)} "
                 f"(TE's recipe class names{hint}). For a capability profile by its own name "
@@ -121,8 +126,7 @@ class ProfileTable(dict[str, QuantizerCapabilities]):
         if isinstance(name, str) and name in RECIPE_PROFILES:
             hint = f"; {name} is a TE recipe: its weight profile is RECIPE_PROFILES[{name!r}]"
         else:
-            close = [p for p in self if isinstance(name, str) and p.lower() == name.lower()]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = _did_you_mean(name, self)
         raise UnknownProfileError(f"{name!r} is no capability profile; PROFILES knows {', '.join(self)}{hint}")
 
 
