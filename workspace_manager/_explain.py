@@ -22,8 +22,8 @@ from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePl
 from ._selection import POLICY_NAMES, named_policy
 
 __all__ = ["DecisionRow", "decision_table", "render_text", "render_json", "plan_notes", "POLICY_CHOICES",
-           "LEGEND", "legend_terms", "render_legend", "recipe_dependent", "group_settings", "plan_cells", "quantizer_label", "SettingBlock",
-           "setting_blocks", "TextOptions"]
+           "LEGEND", "legend_terms", "render_legend", "recipe_dependent", "group_settings", "plan_cells",
+           "quantizer_label", "SettingBlock", "setting_blocks", "TextOptions"]
 
 
 @dataclass(frozen=True)
@@ -549,10 +549,11 @@ def _legend_lines(terms: dict[str, dict[str, str]], width: int) -> list[str]:
     """One paragraph per category: its name, then ``term: meaning`` joined
     by ``; ``. A line breaks in a meaning, never in a term (``dgrad col``)."""
     keep = "\x00"  # stands for a space that must not break a line
-    lines = ["legend:"]
+
     def unbroken(term: str) -> str:  # a list of terms may break after its commas
         return ", ".join(part.replace(" ", keep) for part in term.split(", "))
 
+    lines = ["legend:"]
     paragraphs = [(category, "; ".join(f"{unbroken(term)}: {meaning}" for term, meaning in entries.items()))
                   for category, entries in terms.items() if entries]
     for category, text in [*paragraphs, ("modules", MODULE_KINDS)]:
@@ -587,7 +588,8 @@ def _render(rows: list[DecisionRow], options: TextOptions,
     for policy in dict.fromkeys([*hidden, *blocks_of]):  # a policy whose every row is hidden too
         blocks = blocks_of.get(policy, [])
         profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
-        table = _table_lines(blocks, width, options.why, tuple(quantizer_label(p) for p in profiles)) if blocks else []
+        names = tuple(quantizer_label(p) for p in profiles)
+        table = _table_lines(blocks, width, options.why, names) if blocks else []
         all_but |= any(line.lstrip().startswith("all but ") for line in table)
         body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]
         if hidden.get(policy):
@@ -606,7 +608,8 @@ def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions(),
     position (one ``mb:any`` row where they agree, with ``merge``): its plan
     once if every quantizer agrees, else one row per group of quantizers that
     agree, under each other. Then one legend of every term the tables use.
-    ``hidden``: per policy, how many rows :func:`recipe_dependent` left out.
+    ``hidden``: per policy, how many settings :func:`recipe_dependent` left
+    out (said under its table).
     Lines are at most ``width`` wide, save a single word longer than a line."""
     texts, legend = _render(rows, options, hidden or {})
     return "\n\n".join([*texts, "\n".join(legend)]) + "\n"

@@ -190,7 +190,8 @@ def test_a_plan_field_of_the_wrong_type_names_field_value_and_members(field, val
 
 def test_a_plan_of_strings_is_refused_at_its_first_field():
     """The issue's call: every field a string, refused naming ``cache``."""
-    with pytest.raises(ContextTypeError, match=r"WorkspacePlan.cache must be a CacheAction member \(CacheAction.BYPASS"):
+    with pytest.raises(ContextTypeError,
+                       match=r"WorkspacePlan.cache must be a CacheAction member \(CacheAction.BYPASS"):
         WorkspacePlan(cache="bypass", forward_usage="rowwise", backward_source="none", backward_usage="none",
                       columnwise_source="not_needed", release="nothing")
 

@@ -56,6 +56,7 @@ def test_no_message_names_the_distribution_as_an_index_package():
 
 def test_the_scan_finds_a_hint_that_names_the_distribution(tmp_path):
     (tmp_path / "pkg" / "sub").mkdir(parents=True)
-    (tmp_path / "pkg" / "sub" / "m.py").write_text("x = 1\nraise ImportError(\"pip install 'te-workspace-manager[te]'\")\n")
+    bad = "x = 1\nraise ImportError(\"pip install 'te-workspace-manager[te]'\")\n"
+    (tmp_path / "pkg" / "sub" / "m.py").write_text(bad)
     (tmp_path / "pkg" / "ok.py").write_text(f"hint = {install_hint('te')!r}\n")
     assert index_hints(tmp_path, ("pkg",)) == ["pkg/sub/m.py:2"]
