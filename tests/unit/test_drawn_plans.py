@@ -3,8 +3,8 @@
 Every call setting (sharding, microbatches, recompute, backward_override,
 input grad) is a test of its own, and Hypothesis draws, through
 :class:`DrawnPlanPolicy`, a meaningful plan for every context the binding
-plans in it. Each call of each
-step is watched by the conformance recorder of ``tests/gpu/_conformance.py``
+plans in it. Each call of each step is watched by the conformance recorder
+of ``tests/gpu/_conformance.py``
 reading the stand-in's storages, which follow TE 2.20's
 ``Float8TensorStorage`` (``_data``, ``_transpose``, ``prepare_for_saving``)
 and its Linear's save, rebuild and clear steps. Every call either conforms,
@@ -240,8 +240,9 @@ def _freeze_the_heap() -> None:
     stays sound: the run's modules, workspaces and autograd graphs are all
     allocated after the freeze, so any unreachable cycle among them is still
     collected before a liveness reading. A frozen object is never collected,
-    but everything frozen was reachable when frozen; a workspace only a
-    frozen object held would read as alive, which fails a check, not passes it."""
+    so a workspace held only by a frozen object turned garbage would read as
+    alive; what is frozen is what lived before the run (the binding,
+    Hypothesis, the test modules), which the run does not make garbage."""
     gc.collect()
     gc.freeze()
 
@@ -286,7 +287,8 @@ def test_every_drawn_layernorm_mlp_plan_is_carried_out_or_refused_by_name(ti, se
 def test_the_settings_are_every_combination_once():
     """Enumerated, not drawn: each axis's every value appears, and no setting twice."""
     linear, mlp = linear_settings(), mlp_settings()
-    assert len(linear) == len(set(linear)) == 3 * 2 * (2 + 1 + 2) * 3  # input grad drawn but under recompute
+    # shardings x microbatches x (plain, recompute, no_grad: input grad either way but under recompute) x overrides
+    assert len(linear) == len(set(linear)) == 3 * 2 * (2 + 1 + 2) * 3
     assert len(mlp) == len(set(mlp)) == 3 * 2 * 4 * 2
     assert {s.override for s in linear} == {None, "high_precision", "dequantized"}
     assert {(s.recompute, s.no_grad, s.own) for s in mlp} == {(False, False, False), (True, False, False),
