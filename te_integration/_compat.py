@@ -20,7 +20,17 @@ from ._te_source import structure_problems
 SUPPORTED = "2.20"
 """TE major.minor this package binds to: ``>=2.20,<2.21``."""
 
+#: For a SUPPORTED.x build that lacks pieces (which the te extra would keep): a released one.
 _INSTALL_HINT = "`pip install 'transformer_engine[pytorch]>=2.20,<2.21'`"
+
+
+def _te_extra_hint() -> str:
+    """TE missing or of another version: the te extra pins TE to SUPPORTED,
+    so installing it replaces another. (Imported here, when a message needs
+    it: loading this layer alone imports nothing of the core.)"""
+    from workspace_manager import install_hint
+
+    return install_hint("te")
 
 
 class UnsupportedTEError(ImportError):
@@ -38,9 +48,8 @@ def _import_te() -> ModuleType:
     except ImportError as err:
         raise UnsupportedTEError(
             "te_integration needs TransformerEngine for PyTorch "
-            f"{SUPPORTED}.x, which could not be imported ({err}). Install it with "
-            "`pip install 'te-workspace-manager[te]'`, or use the TE-free core "
-            "(`import workspace_manager`) alone."
+            f"{SUPPORTED}.x, which could not be imported ({err}). Install it with the te extra: "
+            f"{_te_extra_hint()}; or use the TE-free core (`import workspace_manager`) alone."
         ) from err
     return transformer_engine
 
@@ -50,7 +59,8 @@ VERSION: str = str(getattr(te, "__version__", "unknown"))
 if not VERSION.startswith(SUPPORTED + "."):
     raise UnsupportedTEError(
         f"te_integration supports TransformerEngine >={SUPPORTED},<2.21; the installed "
-        f"version is {VERSION}. Install a supported version ({_INSTALL_HINT}) or use the TE-free core alone."
+        f"version is {VERSION}. Install a supported version with the te extra: {_te_extra_hint()}; "
+        "or use the TE-free core (`import workspace_manager`) alone."
     )
 
 

@@ -25,11 +25,13 @@ from ._errors import (
     KitArgumentError,
     PolicyMismatchError,
     QuantizerPluginError,
+    UnknownProfileError,
     UnknownQuantizerError,
     UnknownRecipeError,
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
+from ._hints import install_hint
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, fsdp2_gathered_parameters, probe_fsdp2_sharding
 from .attribution import (
     Lifetime,
@@ -132,6 +134,8 @@ __all__ = [
     "PROFILES",
     "RECIPE_PROFILES",
     "TE_QUANTIZER_PROFILES",
+    # how to install the optional parts (the te and test extras)
+    "install_hint",
     # errors
     "WorkspaceManagerError",
     "InvalidContextError",
@@ -140,6 +144,7 @@ __all__ = [
     "UnsupportedPlanError",
     "UnknownQuantizerError",
     "UnknownRecipeError",
+    "UnknownProfileError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",

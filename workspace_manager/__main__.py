@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, TextOptions, decision_table, render_json, render_text
+from ._explain import POLICY_CHOICES, TextOptions, decision_table, recipe_dependent, render_json, render_text
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers
@@ -14,6 +15,9 @@ from ._profiles import PROFILES, RECIPE_PROFILES
 DEFAULT_WIDTH = 80
 #: Below this the plan columns of ``--full`` do not fit.
 MIN_WIDTH = 80
+#: The status of a command that SIGPIPE stopped (128 + 13), which shells and
+#: ``set -o pipefail`` scripts expect from ``explain | head``.
+BROKEN_PIPE_STATUS = 141
 
 
 def _profile_choices() -> dict[str, object]:
@@ -106,12 +110,42 @@ def main(argv: list[str] | None = None) -> int:
     policies = list(dict.fromkeys(args.policy)) if args.policy else None
     rows = decision_table(profiles, policies, full=args.full)
     if args.json:
-        sys.stdout.write(render_json(rows) + "\n")
-        return 0
+        return emit(render_json(rows) + "\n")
     named = bool(args.recipe or args.quantizer)
     options = TextOptions(width=args.width, why=args.why, merge=not args.full, capabilities=named)
-    sys.stdout.write(render_text(rows, options))
+    hidden = None
+    if named and not args.full:  # the settings where the named quantizers' plans differ from another recipe's
+        rows, hidden = recipe_dependent(rows)
+    return emit(render_text(rows, options, hidden))
+
+
+def emit(text: str) -> int:
+    """Write ``text`` to stdout; the exit status. A reader that went away
+    (``explain | head``) or a full disk ends the command with a shell's
+    status and no traceback: 141 as if SIGPIPE stopped it, or 1 with one
+    line on stderr."""
+    if sys.stdout is None:  # started with stdout closed (``>&-``)
+        sys.stderr.write("workspace_manager: stdout is closed; nothing was written\n")
+        return 1
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return BROKEN_PIPE_STATUS
+    except OSError as err:
+        _discard_stdout()
+        sys.stderr.write(f"workspace_manager: could not write the output: {err.strerror or err}\n")
+        return 1
     return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: Python flushes it once more at exit, and
+    what its buffer still holds would fail there, after ``main`` returned."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
     """Raise a ContextTypeError naming the field, the value and what is allowed."""
     if isinstance(expected, type) and issubclass(expected, enum.Enum):
         if not isinstance(value, expected):
-            allowed = ", ".join(f"{expected.__name__}.{m.name}" for m in expected)
+            # __members__, not iteration: iterating a Flag skips NONE and the combined members
+            allowed = ", ".join(f"{expected.__name__}.{member}" for member in expected.__members__)
             raise ContextTypeError(
                 f"{owner}.{name} must be a {expected.__name__} member ({allowed}); "
                 f"received {value!r} ({type(value).__name__})"

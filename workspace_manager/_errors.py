@@ -16,6 +16,7 @@ __all__ = [
     "UnsupportedPlanError",
     "UnknownQuantizerError",
     "UnknownRecipeError",
+    "UnknownProfileError",
     "DuplicateQuantizerError",
     "InvalidCapabilitiesError",
     "InvalidPlanError",
@@ -51,13 +52,22 @@ class UnknownQuantizerError(WorkspaceManagerError, TypeError):
     """No capabilities are registered for a quantizer class or any of its bases."""
 
 
-class UnknownRecipeError(WorkspaceManagerError, KeyError):
+class _NamedKeyError(KeyError):
+    def __str__(self) -> str:  # KeyError's own quotes the message as a repr
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownRecipeError(WorkspaceManagerError, _NamedKeyError):
     """``RECIPE_PROFILES[name]`` for a name that is no TE recipe. A
     :class:`KeyError`, so ``in`` and ``.get`` work as for any mapping; its
     message names the recipes that exist."""
 
-    def __str__(self) -> str:  # KeyError's own quotes the message as a repr
-        return str(self.args[0]) if self.args else ""
+
+class UnknownProfileError(WorkspaceManagerError, _NamedKeyError):
+    """``PROFILES[name]`` for a name that is no capability profile. A
+    :class:`KeyError`, so ``in`` and ``.get`` work as for any dict; its
+    message names the profiles that exist, and ``RECIPE_PROFILES`` where the
+    name is a TE recipe's."""
 
 
 class DuplicateQuantizerError(WorkspaceManagerError, ValueError):
@@ -65,7 +75,9 @@ class DuplicateQuantizerError(WorkspaceManagerError, ValueError):
 
 
 class InvalidCapabilitiesError(WorkspaceManagerError, TypeError):
-    """A registration whose capabilities are neither a profile nor a callable returning one."""
+    """A registration that cannot be made: the quantizer is neither a class
+    nor its qualified name, or the capabilities are neither a profile nor a
+    callable returning one."""
 
 
 class InvalidPlanError(WorkspaceManagerError, ValueError):

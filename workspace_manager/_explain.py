@@ -7,7 +7,7 @@ why a workspace is alive in a given setting.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from ._context import (
@@ -22,8 +22,8 @@ from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePl
 from ._selection import POLICY_NAMES, named_policy
 
 __all__ = ["DecisionRow", "decision_table", "render_text", "render_json", "plan_notes", "POLICY_CHOICES",
-           "LEGEND", "render_legend", "group_settings", "plan_cells", "quantizer_label", "SettingBlock",
-           "setting_blocks", "TextOptions"]
+           "LEGEND", "legend_terms", "render_legend", "recipe_dependent", "group_settings", "plan_cells",
+           "quantizer_label", "SettingBlock", "setting_blocks", "TextOptions"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,31 @@ def decision_table(
     return rows
 
 
+def recipe_dependent(rows: list[DecisionRow], *, full: bool = False) -> tuple[list[DecisionRow], dict[str, int]]:
+    """The rows of the settings whose plan depends on the quantizer: where
+    the TE recipes and the rows' quantizers do not all get one plan, at some
+    microbatch position (a setting keeps all its positions, for comparison).
+    Also, per policy of ``rows`` (in their order), how many settings were
+    left out because every quantizer gets the same plans there."""
+    from ._profiles import RECIPE_PROFILES
+
+    def setting(row: DecisionRow) -> tuple[str, str]:
+        return row.policy, _split_setting(row.setting())[0]
+
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    plans: dict[tuple[str, str], dict[str, set[WorkspacePlan]]] = {}
+    for row in (*decision_table(RECIPE_PROFILES.values(), policies, full=full), *rows):
+        plans.setdefault(setting(row), {}).setdefault(row.setting(), set()).add(row.plan)
+    alike = {key for key, positions in plans.items() if all(len(found) == 1 for found in positions.values())}
+    kept = [r for r in rows if setting(r) not in alike]
+    return kept, {policy: sum(key[0] == policy for key in alike) for policy in policies}
+
+
+def _hidden_line(count: int) -> str:
+    settings = "setting" if count == 1 else "settings"
+    return f"{count} more {settings}: every TE recipe gets the same plan (--full shows them)"
+
+
 def render_json(rows: list[DecisionRow]) -> str:
     return json.dumps([r.to_dict() for r in rows], indent=1)
 
@@ -137,59 +162,62 @@ _RELEASE = {Release.DERIVED_COLUMNWISE: "derived_col", Release.CACHED_WORKSPACE:
 _COLUMNS = ("cache", "forward", "backward", "dgrad col", "release", "param", "quantizers")
 _INDENT = "  "
 
-#: One line per term the table prints: setting words, cell values, column names.
+#: The meaning of every term the tables print: setting words, cell values,
+#: column names. The legend joins them with "; ", so no meaning holds one.
 LEGEND: dict[str, str] = {
     # settings
     "unsharded": "whole weight on each rank (one GPU, DDP, tensor parallel)",
-    "fsdp2_reshard": "FSDP2, reshard_after_forward=True: gathered for backward",
-    "fsdp2_keep": "FSDP2, reshard_after_forward=False: kept until backward",
-    "fsdp2_any": "FSDP2, either reshard_after_forward: the same plans",
+    "fsdp2_reshard": "FSDP2, reshard_after_forward=True (gathered again for backward)",
+    "fsdp2_keep": "FSDP2, reshard_after_forward=False (kept until backward)",
+    "fsdp2_any": "both FSDP2 shardings alike",
     "recompute:first(any)": "te.checkpoint's or LayerNormMLP's own first forward",
     "recompute:recompute(any)": "te.checkpoint's or LayerNormMLP's own recompute pass",
     "distributed_weight": "TE DistributedWeight (e.g. GTP): the module gathers it",
     "recompute:first": "te.checkpoint's first forward, recomputed before backward",
     "recompute:recompute": "te.checkpoint's recompute pass, just before backward",
-    "recompute:first(own)": "first forward of LayerNormMLP(checkpoint=True)",
+    "recompute:first(own)": "first forward of LayerNormMLP(checkpoint=True), the one module with its own recompute",
     "recompute:recompute(own)": "LayerNormMLP(checkpoint=True)'s recompute, in backward",
-    "train": "grad enabled: backward will run",
-    "no_grad": "torch.no_grad() or inference: no backward",
-    "no_dgrad": "the input needs no gradient: backward computes no dgrad",
-    "hp_weight": "high-precision parameter (bf16/fp32); TE quantizes it",
+    "train": "grad enabled",
+    "no_grad": "grad disabled",
+    "no_dgrad": "the input needs no gradient, so backward computes no dgrad",
+    "hp_weight": "high-precision weight",
     "qparam": "quantized parameter (te.quantized_model_init)",
-    "mb:none": "is_first_microbatch=None: no gradient accumulation",
-    "mb:first": "is_first_microbatch=True: a step's first microbatch",
-    "mb:later": "is_first_microbatch=False: a later one, same weight",
-    "mb:any": "any is_first_microbatch (None, True, False): same plans",
-    "override:high_precision": "backward_override='high_precision': dgrad reads the high-precision weight",
-    "override:dequantized": "backward_override='dequantized': dgrad reads the dequantized rowwise weight",
+    "mb:none": "is_first_microbatch=None (no gradient accumulation)",
+    "mb:first": "is_first_microbatch=True (a step's first microbatch)",
+    "mb:later": "is_first_microbatch=False (a later one, same weight)",
+    "mb:any": "every microbatch position alike",
+    "override:high_precision": "backward_override='high_precision' (dgrad reads the high-precision weight)",
+    "override:dequantized": "backward_override='dequantized' (dgrad reads the dequantized rowwise weight)",
     # columns
-    "cache": "column: the module's cached workspace (microbatches)",
-    "forward": "column: the usages forward quantizes",
-    "backward": "column: what dgrad gets, and its usages (source:usages)",
-    "dgrad col": "column: where dgrad's columnwise data comes from",
-    "release": "column: what is freed explicitly after backward",
-    "param": "column: what a quantized parameter keeps between steps",
-    "quantizers": "column: the quantizers that share the row's plan (blank: all)",
+    "cache": "the module's cached workspace",
+    "forward": "the usages forward quantizes",
+    "backward": "what dgrad gets (source:usages)",
+    "dgrad col": "the source of its columnwise data",
+    "release": "freed after backward",
+    "param": "what a quantized parameter keeps",
+    "quantizers": "those sharing the plan (blank: all)",
     # cell values
-    "bypass": "cache: not cached, quantized for this call only",
-    "fill": "cache: quantize and store in the cache",
-    "reuse": "cache: use the cached workspace as it is",
-    "read_only": "cache: read the cache if it is there, never write it",
-    "-": "none, or not needed",
-    "row": "rowwise data (fprop reads it)",
-    "col": "columnwise data (dgrad reads it)",
-    "row+col": "rowwise and columnwise data",
-    "saved_ws": "backward: the workspace saved in forward",
-    "saved_param": "backward: the quantized parameter itself",
-    "requant": "quantized again from the high-precision weight",
-    "regather": "backward: the distributed weight is gathered again",
-    "hp": "backward: the high-precision weight (no quantized copy)",
-    "fwd": "dgrad col: made by forward, with the rowwise data",
-    "derived": "dgrad col: derived from rowwise data, not requantized",
-    "gathered": "dgrad col: arrives with FSDP2's all-gather",
-    "derived_col": "release: derived columnwise data FSDP2 cannot free",
-    "all but": "quantizers: every one but those named",
+    "bypass": "not cached",
+    "fill": "quantize and store in the cache",
+    "reuse": "use the cached workspace as it is",
+    "read_only": "read the cache if it is there, never write it",
+    "-": "none",
+    "row": "rowwise data (fprop)",
+    "col": "columnwise data (dgrad)",
+    "row+col": "both",
+    "saved_ws": "the workspace saved in forward",
+    "saved_param": "the quantized parameter",
+    "requant": "requantized from the high-precision weight",
+    "regather": "the distributed weight, gathered again",
+    "hp": "the high-precision weight (no quantized copy)",
+    "fwd": "made by forward, with the rowwise data",
+    "derived": "made from rowwise data",
+    "gathered": "sent by FSDP2's all-gather",
+    "derived_col": "derived columnwise data (FSDP2 cannot free it)",
+    "all but": "all except those named",
 }
+#: Cell values spelled as a column's name: what they mean in the cells.
+_CELL_MEANINGS = {"cache": "the cached workspace (release)", "param": "the quantized parameter's own (dgrad col)"}
 
 
 @dataclass(frozen=True)
@@ -436,7 +464,7 @@ def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tu
     header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
     if len(header) > width:
         header = header[: -len(_COLUMNS[-1])].rstrip()
-    lines = [header, _INDENT + "-" * (len(header) - len(_INDENT))]
+    lines = [header]  # its words are indented, the headings under it are not: no rule needed
     layout = _Layout(tuple(widths), width, why, everyone)
     for block in blocks:
         lines += _wrap(block.heading, width, "", _INDENT)
@@ -455,20 +483,22 @@ def _summary_lines(policy: str, width: int) -> list[str]:
         return []
     lines = _wrap(summary.construct, width, _INDENT, _INDENT * 3, sep=", ")
     pad = max(len(label) for label, _ in summary.lines()) + 2
-    for label, text in (*summary.lines(), ("modules", MODULE_KINDS)):
+    for label, text in summary.lines():
         lines += _wrap(text, width, _INDENT + f"{label}:".ljust(pad), _INDENT + " " * pad)
     return lines
 
 
-#: Which TE modules the plans apply to. A plan depends on the call, not on
-#: the module kind; the one place kinds differ is a module's own recompute.
-MODULE_KINDS = ("Linear, LayerNormLinear, LayerNormMLP and GroupedLinear alike (a GroupedLinear call: one "
-                "plan for all its experts); recompute(own) rows: LayerNormMLP(checkpoint=True) only")
+#: Which TE modules the plans apply to: a plan depends on the call, not on
+#: the module kind (a module's own recompute has setting words of its own).
+MODULE_KINDS = ("Linear, LayerNormLinear, LayerNormMLP and GroupedLinear calls alike (a GroupedLinear call: "
+                "one plan for all its experts)")
 
 
-def _legend_terms(blocks: list[SettingBlock], profiles: Iterable[str], capabilities: bool) -> dict[str, str]:
-    """Term -> meaning for every term the table of ``blocks`` prints, in the
-    order: columns, settings, cell values, quantizers."""
+def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, capabilities: bool = False,
+                 all_but: bool = False) -> dict[str, dict[str, str]]:
+    """The legend's paragraphs (columns, settings, cells, quantizers): term
+    -> meaning for every term the tables of ``blocks`` print, and each
+    quantizer of ``profiles``. ``all_but``: a table lists ``all but ...``."""
     settings: dict[str, None] = {}
     values: dict[str, None] = {}
     for block in blocks:
@@ -478,10 +508,23 @@ def _legend_terms(blocks: list[SettingBlock], profiles: Iterable[str], capabilit
             for group in groups:
                 for cell in plan_cells(group.plan):
                     values.update(dict.fromkeys(_cell_terms(cell)))
-    terms = {t: LEGEND[t] for t in (*_COLUMNS, *settings, *values)}
-    for profile in dict.fromkeys(profiles):
-        terms[quantizer_label(profile)] = _profile_meaning(profile, capabilities)
-    return terms
+    if all_but:
+        values["all but"] = None
+    order = list(LEGEND)  # settings and cells in the legend's order, not the tables'
+    return {
+        "columns": {t: LEGEND[t] for t in _COLUMNS},
+        "settings": {t: LEGEND[t] for t in sorted(settings, key=order.index)},
+        "cells": {t: _CELL_MEANINGS.get(t, LEGEND[t]) for t in sorted(values, key=order.index)},
+        "quantizers": _quantizer_terms(list(dict.fromkeys(profiles)), capabilities),
+    }
+
+
+def _quantizer_terms(profiles: list[str], capabilities: bool) -> dict[str, str]:
+    """Name -> meaning of each quantizer; the TE recipes in one entry where
+    none was named (their capabilities are ``--recipe``'s to show)."""
+    if not capabilities and profiles and all(p in _recipe_names() for p in profiles):
+        return {", ".join(map(quantizer_label, profiles)): "TE recipes (see --recipe)"}
+    return {quantizer_label(p): _profile_meaning(p, capabilities) for p in profiles}
 
 
 #: The capabilities, in the words of QuantizerCapabilities' fields.
@@ -493,20 +536,28 @@ def _profile_meaning(profile: str, capabilities: bool) -> str:
     the capabilities it has (the table's plans follow from them)."""
     from ._profiles import PROFILES
 
-    what = (f"TE recipe; weight capability profile {profile}" if profile in _recipe_names()
-            else "capability profile that no TE recipe selects by default")
+    what = (f"TE recipe, profile {profile}" if profile in _recipe_names()
+            else "a profile no TE recipe selects by default")
     caps = PROFILES.get(profile)
     if not capabilities or caps is None:
         return what
     held = [f for f in _CAPABILITIES if getattr(caps, f)]
-    return f"{what}: {', '.join(held) or 'none of ' + ', '.join(_CAPABILITIES)}"
+    return f"{what}, with {', '.join(held) or 'none of ' + ', '.join(_CAPABILITIES)}"
 
 
-def _legend_lines(terms: dict[str, str], width: int) -> list[str]:
-    pad = max(len(t) for t in terms)
+def _legend_lines(terms: dict[str, dict[str, str]], width: int) -> list[str]:
+    """One paragraph per category: its name, then ``term: meaning`` joined
+    by ``; ``. A line breaks in a meaning, never in a term (``dgrad col``)."""
+    keep = "\x00"  # stands for a space that must not break a line
+
+    def unbroken(term: str) -> str:  # a list of terms may break after its commas
+        return ", ".join(part.replace(" ", keep) for part in term.split(", "))
+
     lines = ["legend:"]
-    for term, meaning in terms.items():
-        lines += _wrap(f"{term.ljust(pad)}  {meaning}", width, _INDENT, _INDENT + " " * (pad + 2))
+    paragraphs = [(category, "; ".join(f"{unbroken(term)}: {meaning}" for term, meaning in entries.items()))
+                  for category, entries in terms.items() if entries]
+    for category, text in [*paragraphs, ("modules", MODULE_KINDS)]:
+        lines += [line.replace(keep, " ") for line in _wrap(f"{category}  {text}", width, _INDENT, _INDENT * 2)]
     return lines
 
 
@@ -525,28 +576,40 @@ class TextOptions:
 
 
 def render_legend(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
-    """One line per term that the table of ``rows`` prints (wrapped to the width)."""
-    blocks = [b for bs in setting_blocks(rows, merge=options.merge, why=options.why).values() for b in bs]
-    profiles = (r.context.capabilities.name for r in rows)
-    return "\n".join(_legend_lines(_legend_terms(blocks, profiles, options.capabilities), options.width))
+    """The one legend of the tables of ``rows``: every term they print (wrapped to the width)."""
+    return "\n".join(_render(rows, options, {})[1])
 
 
-def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
+def _render(rows: list[DecisionRow], options: TextOptions,
+            hidden: Mapping[str, int]) -> tuple[list[str], list[str]]:
+    """(each policy's text, the legend lines of all of them)."""
+    width, blocks_of = options.width, setting_blocks(rows, merge=options.merge, why=options.why)
+    texts, all_blocks, all_but = [], [], False
+    for policy in dict.fromkeys([*hidden, *blocks_of]):  # a policy whose every row is hidden too
+        blocks = blocks_of.get(policy, [])
+        profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
+        names = tuple(quantizer_label(p) for p in profiles)
+        table = _table_lines(blocks, width, options.why, names) if blocks else []
+        all_but |= any(line.lstrip().startswith("all but ") for line in table)
+        body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]
+        if hidden.get(policy):
+            body += _wrap(_hidden_line(hidden[policy]), width, _INDENT, _INDENT)
+        texts.append("\n".join(body))
+        all_blocks += blocks
+    profiles = dict.fromkeys(r.context.capabilities.name for r in rows)
+    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but)
+    return texts, _legend_lines(terms, width)
+
+
+def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions(),
+                hidden: Mapping[str, int] | None = None) -> str:
     """Per policy: its constructor and what it is for, keeps and trades; a
     heading per setting without its microbatch position, then a row per
     position (one ``mb:any`` row where they agree, with ``merge``): its plan
     once if every quantizer agrees, else one row per group of quantizers that
-    agree, under each other; then the legend of the terms that policy's table
-    uses. Lines are at most ``width`` wide, save a single word longer than a line."""
-    width = options.width
-    out = []
-    for policy, blocks in setting_blocks(rows, merge=options.merge, why=options.why).items():
-        profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
-        table = _table_lines(blocks, width, options.why, tuple(quantizer_label(p) for p in profiles))
-        terms = _legend_terms(blocks, profiles, options.capabilities)
-        if any(line.lstrip().startswith("all but ") for line in table):
-            terms = {**terms, "all but": LEGEND["all but"]}
-        body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table, "",
-                *_legend_lines(terms, width)]
-        out.append("\n".join(body))
-    return "\n\n".join(out) + "\n"
+    agree, under each other. Then one legend of every term the tables use.
+    ``hidden``: per policy, how many settings :func:`recipe_dependent` left
+    out (said under its table).
+    Lines are at most ``width`` wide, save a single word longer than a line."""
+    texts, legend = _render(rows, options, hidden or {})
+    return "\n\n".join([*texts, "\n".join(legend)]) + "\n"

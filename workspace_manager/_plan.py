@@ -15,7 +15,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import InvalidPlanError
+from ._context import _require_type
+from ._errors import ContextTypeError, InvalidPlanError
 
 __all__ = ["CacheAction", "Usage", "BackwardSource", "ColumnwiseSource", "Release", "WorkspacePlan"]
 
@@ -148,6 +149,7 @@ class WorkspacePlan:
     """Why the plan is what it is, in words, for tables and reports."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for problem in _contradictions(self):
             raise InvalidPlanError(f"Inconsistent WorkspacePlan {self.summary()}: {problem}")
 
@@ -174,6 +176,20 @@ class WorkspacePlan:
             "parameter_keeps": self.parameter_keeps.label,
             "notes": list(self.notes),
         }
+
+
+def _check_types(plan: WorkspacePlan) -> None:
+    """Each decision is its enum (a string such as ``"bypass"`` is refused
+    naming the members), so that the rules below compare like with like."""
+    for name, expected in _FIELD_TYPES:
+        _require_type("WorkspacePlan", name, getattr(plan, name), expected)
+    if not isinstance(plan.notes, tuple) or not all(isinstance(note, str) for note in plan.notes):
+        raise ContextTypeError(f"WorkspacePlan.notes must be a tuple of str; received {plan.notes!r}")
+
+
+_FIELD_TYPES = (("cache", CacheAction), ("forward_usage", Usage), ("backward_source", BackwardSource),
+                ("backward_usage", Usage), ("columnwise_source", ColumnwiseSource), ("release", Release),
+                ("parameter_keeps", Usage))
 
 
 def _contradictions(plan: WorkspacePlan) -> list[str]:

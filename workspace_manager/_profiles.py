@@ -9,11 +9,11 @@ allocate themselves, and which re-quantize exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ._context import QuantizerCapabilities
-from ._errors import UnknownRecipeError
+from ._errors import UnknownProfileError, UnknownRecipeError
 
 __all__ = [
     "FLOAT8_DELAYED_SCALING",
@@ -26,6 +26,7 @@ __all__ = [
     "HYBRID",
     "RECIPE_PROFILES",
     "RecipeProfiles",
+    "ProfileTable",
     "PROFILES",
     "TE_QUANTIZER_PROFILES",
 ]
@@ -72,6 +73,12 @@ HYBRID = QuantizerCapabilities(
     name="hybrid", columnwise_derivable=False, derived_caches=False, requantization_safe=False
 )
 
+def _did_you_mean(name: object, names: Iterable[str]) -> str:
+    """``; did you mean 'X'?`` where ``name`` is ``X`` in another case, else ''."""
+    close = [n for n in names if isinstance(name, str) and n.lower() == name.lower()]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 class RecipeProfiles(Mapping[str, QuantizerCapabilities]):
     """A read-only mapping of TE recipe class names to the capability profile
     of their weight quantizer. Looking up a name that is no recipe raises
@@ -84,8 +91,7 @@ class RecipeProfiles(Mapping[str, QuantizerCapabilities]):
         try:
             return self._profiles[recipe]
         except (KeyError, TypeError):
-            close = [r for r in self._profiles if isinstance(recipe, str) and r.lower() == recipe.lower()]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = _did_you_mean(recipe, self._profiles)
             raise UnknownRecipeError(
                 f"{recipe!r} is no TE recipe; RECIPE_PROFILES knows {', '.join(self._profiles)} "
                 f"(TE's recipe class names{hint}). For a capability profile by its own name "
@@ -111,9 +117,22 @@ RECIPE_PROFILES: Mapping[str, QuantizerCapabilities] = RecipeProfiles({
     "NVFP4BlockScaling": NVFP4_2D,
 })
 
+class ProfileTable(dict[str, QuantizerCapabilities]):
+    """A dict of capability profiles by their names. Looking up a name that
+    is no profile raises :class:`UnknownProfileError` (a KeyError) naming
+    the profiles, and ``RECIPE_PROFILES`` where the name is a TE recipe's."""
+
+    def __missing__(self, name: object) -> QuantizerCapabilities:
+        if isinstance(name, str) and name in RECIPE_PROFILES:
+            hint = f"; {name} is a TE recipe: its weight profile is RECIPE_PROFILES[{name!r}]"
+        else:
+            hint = _did_you_mean(name, self)
+        raise UnknownProfileError(f"{name!r} is no capability profile; PROFILES knows {', '.join(self)}{hint}")
+
+
 #: Every profile defined here, by name.
-PROFILES: dict[str, QuantizerCapabilities] = {
-    p.name: p
+PROFILES: dict[str, QuantizerCapabilities] = ProfileTable(
+    (p.name, p)
     for p in (
         FLOAT8_DELAYED_SCALING,
         FLOAT8_CURRENT_SCALING,
@@ -124,7 +143,7 @@ PROFILES: dict[str, QuantizerCapabilities] = {
         NVFP4_1D,
         HYBRID,
     )
-}
+)
 
 
 def _float8_block(quantizer: Any) -> QuantizerCapabilities:

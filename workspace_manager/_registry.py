@@ -346,7 +346,7 @@ default_registry: QuantizerRegistry = _with_te_profiles()
 
 @overload
 def register_quantizer(
-    quantizer: None = None, /, *, capabilities: CapabilitySource, override: bool = ..., registry: QuantizerRegistry | None = ...
+    *, capabilities: CapabilitySource, override: bool = ..., registry: QuantizerRegistry | None = ...
 ) -> Callable[[T], T]: ...
 
 
@@ -356,8 +356,14 @@ def register_quantizer(
 ) -> None: ...
 
 
+#: ``register_quantizer``'s default: used as a decorator. A sentinel, not
+#: None, so that ``register_quantizer(None, ...)`` (a variable that held no
+#: class) is refused instead of returning a decorator nobody applies.
+_AS_DECORATOR: Any = object()
+
+
 def register_quantizer(
-    quantizer: type | str | None = None,
+    quantizer: type | str = _AS_DECORATOR,
     /,
     *,
     capabilities: CapabilitySource,
@@ -374,7 +380,7 @@ def register_quantizer(
     The decorator returns the class unchanged.
     """
     target = registry if registry is not None else default_registry
-    if quantizer is None:
+    if quantizer is _AS_DECORATOR:
 
         def decorate(cls: T) -> T:
             target.register(cls, capabilities, override=override, origin=f"@register_quantizer in {cls.__module__}")
@@ -382,6 +388,12 @@ def register_quantizer(
 
         _check_source("the decorated class", capabilities)
         return decorate
+    if quantizer is None:
+        raise InvalidCapabilitiesError(
+            "register_quantizer received None for the quantizer, and registered nothing; pass the quantizer class "
+            "or its qualified name ('package.module.ClassName'), or decorate the class with "
+            "@register_quantizer(capabilities=...) (no positional argument)"
+        )
     target.register(quantizer, capabilities, override=override)
     return None
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workspace_manager import QuantizerCapabilities, register_quantizer
+from workspace_manager import QuantizerCapabilities, install_hint, register_quantizer
 
 try:
     import torch
@@ -50,7 +50,7 @@ except (ImportError, OSError) as err:  # OSError: TE's compiled extension failed
     raise ImportError(
         "examples.custom_quantizer needs TransformerEngine 2.20 for PyTorch, whose custom-recipe "
         f"reference quantizer it subclasses; importing it failed ({type(err).__name__}: {err}). "
-        "Run the example on a CUDA machine with `pip install 'te-workspace-manager[te]'`."
+        f"Run the example on a CUDA machine with TE installed: {install_hint('te')}."
     ) from err
 
 __all__ = ["EXAMPLE_CAPABILITIES", "ExamplePerTensorFP8Quantizer", "qfactory", "make_recipe"]

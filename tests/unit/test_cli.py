@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -53,7 +55,7 @@ def test_full_adds_overrides_and_no_dgrad(capsys):
 
 
 def test_text_table_is_readable(capsys):
-    main(["explain", "--policy", "fsdp2", "--quantizer", "DelayedScaling"])
+    main(["explain", "--policy", "fsdp2"])
     out = capsys.readouterr().out
     assert out.startswith("== policy: fsdp2 ==\n  FSDP2WorkspacePolicy()\n  for:")
     table = out.split("legend:")[0].splitlines()
@@ -62,31 +64,48 @@ def test_text_table_is_readable(capsys):
     assert "derived_col" in out
 
 
-def _policy_blocks(out: str) -> dict[str, tuple[list[str], list[str], dict[str, str]]]:
-    """Per policy: (summary lines, table lines, legend term -> meaning)."""
+def _legend(text: str) -> dict[str, str]:
+    """Term -> meaning of the legend (the text after ``legend:``): one
+    paragraph per category, ``term: meaning`` joined by ``; ``; a list of
+    terms (``A, B: ...``) gives each the meaning. The modules paragraph is prose."""
+    terms = {}
+    for paragraph in re.split(r"\n(?=  \S)", text.strip("\n")):
+        category, _, entries = " ".join(line.strip() for line in paragraph.splitlines()).partition("  ")
+        if category == "modules":
+            continue
+        for entry in entries.split("; "):
+            names, _, meaning = entry.partition(": ")
+            assert meaning, f"{category}: no meaning in {entry!r}"
+            terms.update(dict.fromkeys(names.split(", "), meaning))
+    return terms
+
+
+def _parse(out: str) -> tuple[dict[str, tuple[list[str], list[str]]], dict[str, str]]:
+    """(per policy: summary lines, table lines), and the one legend."""
+    body, found, legend = out.rstrip("\n").rpartition("\n\nlegend:\n")
+    assert found, out[-400:]
     blocks = {}
-    for block in out.rstrip("\n").split("\n\n== policy: "):
-        name, _, body = block.removeprefix("== policy: ").partition(" ==\n")
-        summary, table, legend = body.split("\n\n")
-        assert legend.startswith("legend:\n"), legend[:40]
-        terms = {}
-        for line in legend.splitlines()[1:]:
-            if not line.startswith("   "):
-                term, _, meaning = line.strip().partition("  ")
-                terms[term] = meaning.strip()
-        blocks[name] = (summary.splitlines(), table.splitlines(), terms)
-    return blocks
+    for block in body.split("\n\n== policy: "):
+        name, _, rest = block.removeprefix("== policy: ").partition(" ==\n")
+        summary, _, table = rest.partition("\n\n")
+        blocks[name] = (summary.splitlines(), table.splitlines())
+    return blocks, _legend(legend)
+
+
+def _policy_blocks(out: str) -> dict[str, tuple[list[str], list[str]]]:
+    return _parse(out)[0]
 
 
 def _table_and_legend(out: str) -> tuple[list[str], dict[str, str]]:
-    """The one policy's table lines and legend."""
-    (_, table, terms), = _policy_blocks(out).values()
+    """The one policy's table lines and the legend."""
+    blocks, terms = _parse(out)
+    (_, table), = blocks.values()
     return table, terms
 
 
 def _table_words(table: list[str]) -> set[str]:
     words = set()
-    for line in table[2:]:  # below the column header and its rule
+    for line in table[1:]:  # below the column header
         line = line.replace("all but ", "all_but ")
         for word in line.replace(",", " ").split():
             words.update([word] if word != "all_but" else ["all but"])
@@ -94,12 +113,13 @@ def _table_words(table: list[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [[], ["--full"], ["--why", "--width", "120"]])
-def test_legend_under_each_policy_explains_every_word_of_its_table(capsys, argv):
+def test_one_legend_explains_every_word_of_every_table(capsys, argv):
     main(["explain", *argv])
-    blocks = _policy_blocks(capsys.readouterr().out)
-    assert list(blocks) == list(POLICY_CHOICES)
-    for policy, (_, table, terms) in blocks.items():
-        assert all(terms.values()), policy
+    out = capsys.readouterr().out
+    assert out.count("legend:") == 1 and "\nlegend:\n" in out  # one legend per output, after the last table
+    blocks, terms = _parse(out)
+    assert list(blocks) == list(POLICY_CHOICES) and all(terms.values())
+    for policy, (_, table) in blocks.items():
         # the reasons are prose: "why: ..." and its continuation lines
         words = _table_words([l for l in table if not l.lstrip().startswith("why:") and not l.startswith(" " * 11)])
         missing = {w for w in words if w not in terms
@@ -107,9 +127,28 @@ def test_legend_under_each_policy_explains_every_word_of_its_table(capsys, argv)
         assert not missing, f"{policy}: not in the legend: {sorted(missing)}"
         header = table[0].split()
         assert header[:4] == ["cache", "forward", "backward", "dgrad"] and "dgrad col" in terms
-    full = blocks["plain"][2]
     for term in ("hp_weight", "qparam", "mb:first", "saved_ws", "quantizers") if argv == ["--full"] else ():
-        assert term in full, term
+        assert term in terms, term
+
+
+def test_the_legend_has_no_term_no_table_uses(capsys):
+    """``--policy fsdp2`` has no recompute rows: the legend says nothing of
+    them, nor of the module's own recompute (LayerNormMLP(checkpoint=True))."""
+    main(["explain", "--policy", "fsdp2"])
+    out = capsys.readouterr().out
+    _, terms = _table_and_legend(out)
+    assert not any("recompute" in t for t in terms) and "checkpoint" not in out
+    main(["explain", "--policy", "recompute"])
+    out = capsys.readouterr().out
+    table, terms = _table_and_legend(out)
+    assert any("(own)" in l for l in table) and "recompute:recompute(own)" in terms
+    assert "LayerNormMLP(checkpoint=True)" in terms["recompute:recompute(own)"]
+
+
+def test_legend_meanings_never_hold_the_separator():
+    from workspace_manager._explain import LEGEND
+
+    assert not [term for term, meaning in LEGEND.items() if "; " in meaning or ": " in term]
 
 
 def test_recipe_names_stand_next_to_profile_names(capsys):
@@ -117,12 +156,12 @@ def test_recipe_names_stand_next_to_profile_names(capsys):
     out = capsys.readouterr().out
     _, terms = _table_and_legend(out)
     # named quantizers: the legend gives their capabilities, a recipe summary at a glance
-    assert terms["MXFP8BlockScaling"].startswith("TE recipe; weight capability profile mxfp8")
+    assert terms["MXFP8BlockScaling"] == "TE recipe, profile mxfp8, with requantization_safe"
     assert "no TE recipe" in terms["float8_block_1d"]
     assert " ".join(out.split()).count("requantization_safe") == 2
     main(["explain", "--policy", "fsdp2"])
     _, terms = _table_and_legend(capsys.readouterr().out)
-    assert terms["MXFP8BlockScaling"] == "TE recipe; weight capability profile mxfp8"
+    assert terms["MXFP8BlockScaling"] == terms["DelayedScaling"] == "TE recipes (see --recipe)"
     main(["explain", "--json", "--recipe", "NVFP4BlockScaling"])
     rows = json.loads(capsys.readouterr().out)
     assert {(r["recipe"], r["quantizer"]) for r in rows} == {("NVFP4BlockScaling", "nvfp4_2d")}
@@ -135,9 +174,9 @@ def test_recipe_rejects_a_profile_name():
 
 
 def test_why_prints_the_notes_in_text_mode(capsys):
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--width", "120"])
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--width", "120", "--full"])
     plain = capsys.readouterr().out
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--why", "--width", "120"])
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--why", "--width", "120", "--full"])
     why = capsys.readouterr().out
     assert "why:" not in plain
     assert "    why: FSDP2 reshards after forward: no cached copy per layer (TE#2681)" in why
@@ -166,7 +205,7 @@ def test_full_has_one_row_per_position_and_groups_under_it(capsys):
     assert table[at + 3].split()[0] == "mb:first"
     assert not any("mb:any" in l or "_any" in l or "(any)" in l for l in table)
     # each setting's heading appears once per policy
-    headings = [l for l in table[2:] if l and not l.startswith(" ")]
+    headings = [l for l in table[1:] if l and not l.startswith(" ")]
     assert len(headings) == len(set(headings))
 
 
@@ -204,7 +243,7 @@ def test_merged_rows_stand_for_rows_that_print_the_same(why):
 def test_microbatch_positions_that_agree_are_one_row(capsys):
     main(["explain", "--policy", "fsdp2"])
     table, terms = _table_and_legend(capsys.readouterr().out)
-    keys = [l.split()[0] for l in table[2:] if l.startswith("  mb:")]
+    keys = [l.split()[0] for l in table[1:] if l.startswith("  mb:")]
     assert keys and set(keys) == {"mb:any"} and "mb:any" in terms and "mb:none" not in terms
     assert any(l.startswith("fsdp2_any ") for l in table) and "fsdp2_any" in terms
     main(["explain", "--policy", "fsdp2_microbatch_cache", "--recipe", "Float8CurrentScaling"])
@@ -217,9 +256,49 @@ def test_microbatch_positions_that_agree_are_one_row(capsys):
 def test_one_policy_fits_one_screen(capsys):
     main(["explain", "--policy", "fsdp2"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) <= 60 and max(map(len, lines)) <= 80
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+
+
+def test_recipe_shows_only_the_settings_that_depend_on_the_recipe(capsys):
     main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling"])
-    assert len(capsys.readouterr().out.splitlines()) <= 50
+    out = capsys.readouterr().out
+    table, _ = _table_and_legend(out)
+    headings = [l for l in table[1:] if l and not l.startswith(" ")]
+    # high-precision weights get one plan whatever the recipe; quantized parameters do not (derived or gathered)
+    assert headings == ["fsdp2_any train qparam", "fsdp2_any no_grad qparam"]
+    assert "  4 more settings: every TE recipe gets the same plan (--full shows them)" in table
+    assert "MXFP8BlockScaling" not in out and "all but" not in out  # the named recipe's plans only
+    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--full"])
+    assert "fsdp2_reshard train hp_weight" in capsys.readouterr().out
+
+
+def test_recipe_dependent_keeps_exactly_the_settings_whose_plans_differ():
+    from workspace_manager._explain import decision_table, recipe_dependent
+
+    def heading(row) -> tuple[str, str]:  # (policy, setting without its microbatch position)
+        return row.policy, " ".join(w for w in row.setting().split() if not w.startswith("mb:"))
+
+    every = decision_table(list(RECIPE_PROFILES.values()))
+    plans: dict[tuple[str, str], set] = {}
+    for row in every:
+        plans.setdefault(heading(row), set()).add((row.setting(), row.plan))
+    named = [r for r in every if r.context.capabilities is RECIPE_PROFILES["Float8CurrentScaling"]]
+    kept, hidden = recipe_dependent(named)
+    differ = {key for key, found in plans.items() if len(found) > len({s for s, _ in found})}
+    assert kept and {heading(r) for r in kept} == differ
+    # a shown setting keeps all its microbatch positions, and only the named recipe's rows
+    assert kept == [r for r in named if heading(r) in differ]
+    assert list(hidden) == list(POLICY_CHOICES)
+    assert sum(hidden.values()) == len(plans) - len(differ) and hidden["fsdp2"] == 4
+
+
+def test_a_policy_whose_settings_all_agree_says_so(capsys):
+    main(["explain", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
+    out = capsys.readouterr().out
+    blocks, _ = _parse(out)
+    summary, table = blocks["plain"]
+    assert summary[0] == "  WorkspacePolicy()" and table == [
+        "  4 more settings: every TE recipe gets the same plan (--full shows them)"]
 
 
 def test_each_policy_opens_with_its_constructor_and_summary(capsys):
@@ -228,12 +307,12 @@ def test_each_policy_opens_with_its_constructor_and_summary(capsys):
 
     main(["explain"])
     blocks = _policy_blocks(capsys.readouterr().out)
-    for policy, (summary, _, _) in blocks.items():
+    for policy, (summary, _) in blocks.items():
         at = next(i for i, l in enumerate(summary) if l.startswith("  for:"))
         construct = " ".join(l.strip() for l in summary[:at])
         assert eval(construct, vars(workspace_manager)) == named_policy(policy), policy
         assert [l.split(":")[0].strip() for l in summary[at:] if not l.startswith("    ")] == [
-            "for", "keeps", "trade-off", "modules"]
+            "for", "keeps", "trade-off"]
     assert "option, off by default (docs/decisions.md, D4)" in " ".join(blocks["fsdp2_microbatch_cache"][0])
 
 
@@ -335,7 +414,45 @@ def test_the_options_show_as_policies_of_their_own(capsys):
 
 
 def test_the_default_tables_name_the_option_that_would_differ(capsys):
-    main(["explain", "--policy", "fsdp2", "--policy", "fsdp2_recompute", "--recipe", "Float8CurrentScaling", "--why"])
+    main(["explain", "--policy", "fsdp2", "--policy", "fsdp2_recompute", "--recipe", "Float8CurrentScaling", "--why",
+          "--full"])
     out = " ".join(capsys.readouterr().out.split())
     assert "MicrobatchCache.EXACT_FORMATS caches instead" in out
     assert "RecomputeCopy.BUILD_ONCE saves one instead" in out
+
+
+# -- when stdout goes away --------------------------------------------------------------------------
+def _explain_into(stdout, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workspace_manager", "explain", *args], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [(), ("--json",)])
+def test_a_closed_pipe_ends_quietly_as_sigpipe_would(args):
+    """``explain | true``: the reader is gone before the first write (its end
+    closed up front, so the write always fails, as it does when ``true`` exits
+    first): status 141, no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = _explain_into(write, *args)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_a_full_disk_ends_with_one_line_and_status_1():
+    """``explain > /dev/full``: every write fails with ENOSPC."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        result = _explain_into(full)
+    assert result.returncode == 1
+    assert result.stderr == "workspace_manager: could not write the output: No space left on device\n"
+
+
+def test_a_closed_stdout_ends_with_one_line_and_status_1():
+    """``explain >&-``: Python starts with no sys.stdout."""
+    result = subprocess.run(["sh", "-c", 'exec "$0" -m workspace_manager explain >&-', sys.executable],
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (1, "workspace_manager: stdout is closed; nothing was written\n")

@@ -1,9 +1,11 @@
 """Every Python block of docs/extending.md runs, and prints what the doc shows.
 
 The blocks run in order in one namespace, in a fresh interpreter (they
-register quantizers with the default registry), as module ``my_fp8.quantizers``.
-A ``text`` block right after a Python block is that block's expected output,
-where ``...`` matches anything (doctest's ELLIPSIS).
+register quantizers with the default registry), as the module the doc tells
+the reader to save them as (``my_fp8/quantizers.py``), so that the class
+names in the outputs are the reader's. A ``text`` block right after a
+Python block is that block's expected output, where ``...`` matches
+anything (doctest's ELLIPSIS).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ warnings.simplefilter("error")
 for category in (DeprecationWarning, FutureWarning, UserWarning):
     warnings.filterwarnings("ignore", category=category, module="torch.*")
 blocks = json.load(sys.stdin)
-namespace = {"__name__": "my_fp8.quantizers"}
+namespace = {"__name__": sys.argv[1]}
 outputs = []
 for index, code in enumerate(blocks):
     buffer = io.StringIO()
@@ -39,6 +41,13 @@ for index, code in enumerate(blocks):
     outputs.append({"output": buffer.getvalue(), "error": None})
 print(json.dumps(outputs))
 """
+
+
+def doc_module() -> str:
+    """The module the doc has the reader save its Python blocks as."""
+    paths = re.findall(r"save them, in order, as\s+`(\w+)/(\w+)\.py`", DOC.read_text())
+    assert len(paths) == 1, f"docs/extending.md must say once which file the blocks make: {paths}"
+    return ".".join(paths[0])
 
 
 def doc_blocks() -> list[tuple[str, str, str | None]]:
@@ -60,7 +69,7 @@ def doc_blocks() -> list[tuple[str, str, str | None]]:
 def executed():
     python = [(code, expected) for lang, code, expected in doc_blocks() if lang == "python"]
     result = subprocess.run(
-        [sys.executable, "-c", RUNNER], input=json.dumps([c for c, _ in python]),
+        [sys.executable, "-c", RUNNER, doc_module()], input=json.dumps([c for c, _ in python]),
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -104,3 +113,13 @@ def test_the_documented_plugin_error_is_the_one_raised(monkeypatch):
     with pytest.raises(QuantizerPluginError) as info:
         QuantizerRegistry(entry_point_group=ENTRY_POINT_GROUP).lookup(object)
     assert str(info.value) == sample.strip()
+
+
+def test_the_outputs_name_only_the_module_the_reader_made():
+    """A class of the doc's package in an output lives in the module the
+    reader saved (not one the test made up, as it once did)."""
+    module = doc_module()
+    package = module.split(".")[0]
+    outputs = " ".join(expected for lang, _, expected in doc_blocks() if lang == "python" and expected)
+    named = set(re.findall(rf"\b{package}((?:\.\w+)+)\.[A-Z]\w*", outputs))
+    assert named == {module.removeprefix(package)}, named

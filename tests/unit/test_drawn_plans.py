@@ -1,9 +1,10 @@
 """Any valid plan runs, or is refused by name (CPU, the TE stand-in).
 
-Hypothesis draws a call setting (sharding, microbatches, recompute,
-backward_override, input grad) and, through :class:`DrawnPlanPolicy`, a
-meaningful plan for every context the binding plans. Each call of each
-step is watched by the conformance recorder of ``tests/gpu/_conformance.py``
+Every call setting (sharding, microbatches, recompute, backward_override,
+input grad) is a test of its own, and Hypothesis draws, through
+:class:`DrawnPlanPolicy`, a meaningful plan for every context the binding
+plans in it. Each call of each step is watched by the conformance recorder
+of ``tests/gpu/_conformance.py``
 reading the stand-in's storages, which follow TE 2.20's
 ``Float8TensorStorage`` (``_data``, ``_transpose``, ``prepare_for_saving``)
 and its Linear's save, rebuild and clear steps. Every call either conforms,
@@ -12,13 +13,14 @@ module call with a PolicyMismatchError naming a plan field and the context.
 The same runs for LayerNormMLP (``_fake_te_mlp.py``: both weights, its own
 ``checkpoint=True`` recompute, TE's one ``is_fsdp2`` switch for both).
 A second test pins plans from a list of plan classes that TE's code can
-carry out, written from reading it, and asserts none is refused.
+carry out, written from reading it, and asserts none is refused and each
+conforms.
 """
 
 from __future__ import annotations
 
-import os
-
+import gc
+import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import _fake_te
+from _examples import scaled
 from _fake_te import TELinear, load_full_binding
 from _fake_te_mlp import Float8Quantizer, TELayerNormMLP
 from workspace_manager import (
@@ -67,30 +70,41 @@ class Setting:
     mixed: bool = False
 
 
-@st.composite
-def settings_(draw) -> Setting:
-    mode = draw(st.sampled_from(["plain", "recompute", "no_grad"]))
-    return Setting(
-        sharding=draw(st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])),
-        microbatches=draw(st.sampled_from([(None,), (True, False, False)])),
-        recompute=mode == "recompute",
-        no_grad=mode == "no_grad",
-        override=draw(st.sampled_from([None, "high_precision", "dequantized"])),
-        input_grad=True if mode == "recompute" else draw(st.booleans()),
-    )
+SHARDINGS = (Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP)
+#: One call, or three microbatches (first, later, later).
+MICROBATCHES = ((None,), (True, False, False))
 
 
-@st.composite
-def mlp_settings(draw) -> Setting:
-    """LayerNormMLP's settings: no backward_override (TE 2.20's LayerNormMLP
-    takes none) and dgrad always (for the norm), with its own checkpoint."""
-    mode = draw(st.sampled_from(["plain", "recompute", "own", "no_grad"]))
-    return Setting(
-        sharding=draw(st.sampled_from([Sharding.NONE, Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])),
-        microbatches=draw(st.sampled_from([(None,), (True, False, False)])),
-        recompute=mode == "recompute", no_grad=mode == "no_grad", override=None, input_grad=True,
-        kind="LayerNormMLP", own=mode == "own", mixed=draw(st.booleans()),
-    )
+def linear_settings() -> tuple[Setting, ...]:
+    """Every Linear setting (90): no input grad only outside a recompute
+    region, whose reentrant checkpoint needs an input that requires grad."""
+    found = []
+    for sharding, microbatches, mode, override, input_grad in itertools.product(
+            SHARDINGS, MICROBATCHES, ("plain", "recompute", "no_grad"), (None, "high_precision", "dequantized"),
+            (True, False)):
+        if mode == "recompute" and not input_grad:
+            continue
+        found.append(Setting(sharding, microbatches, recompute=mode == "recompute", no_grad=mode == "no_grad",
+                             override=override, input_grad=input_grad))
+    return tuple(found)
+
+
+def mlp_settings() -> tuple[Setting, ...]:
+    """Every LayerNormMLP setting (48): no backward_override (TE 2.20's
+    LayerNormMLP takes none) and dgrad always (for the norm), with its own
+    checkpoint as a fourth mode."""
+    return tuple(
+        Setting(sharding, microbatches, recompute=mode == "recompute", no_grad=mode == "no_grad", override=None,
+                input_grad=True, kind="LayerNormMLP", own=mode == "own", mixed=mixed)
+        for sharding, microbatches, mode, mixed in itertools.product(
+            SHARDINGS, MICROBATCHES, ("plain", "recompute", "own", "no_grad"), (False, True)))
+
+
+def _setting_id(setting: Setting) -> str:
+    mode = "recompute" if setting.recompute else "no_grad" if setting.no_grad else "own" if setting.own else "plain"
+    parts = [setting.sharding.value, f"mb{len(setting.microbatches)}", mode, setting.override or "no_override",
+             "dx" if setting.input_grad else "no_dx"]
+    return "-".join(parts + (["mixed"] if setting.mixed else []))
 
 
 def _pair(ti, setting: Setting, policy: DrawnPlanPolicy):
@@ -169,6 +183,7 @@ def _inputs(setting: Setting, step: int, micro: int):
 def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> list[str]:
     """Both twins through the same steps; the conformance problems of every
     managed call. Outputs and gradients must match bit for bit."""
+    _freeze_the_heap()
     stock, managed = _pair(ti, setting, policy)
     opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in (stock, managed)]
     problems = []
@@ -207,11 +222,37 @@ def ti(monkeypatch):
     return load_full_binding(monkeypatch)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _young_heap():
+    """The recorder runs ``gc.collect()`` before each of its liveness
+    readings, nine or more per training run. A full collection walks every
+    object of the test process (torch, Hypothesis, every test module
+    imported so far: about 0.1 s each), which made an example take a second.
+    :func:`_freeze_the_heap` moves what is alive before a run out of the
+    collector's sight; this gives it back after the module's tests."""
+    yield
+    gc.unfreeze()
+
+
+def _freeze_the_heap() -> None:
+    """Collect, then freeze every survivor (``gc.freeze``), so that the
+    recorder's collections walk only what this run allocates. Its verdict
+    stays sound: the run's modules, workspaces and autograd graphs are all
+    allocated after the freeze, so any unreachable cycle among them is still
+    collected before a liveness reading. A frozen object is never collected,
+    so a workspace held only by a frozen object turned garbage would read as
+    alive; what is frozen is what lived before the run (the binding,
+    Hypothesis, the test modules), which the run does not make garbage."""
+    gc.collect()
+    gc.freeze()
+
+
 #: No shrinking: every example is a whole training run, and a failure's
-#: message already names the call, the plan and what differed. Each example
-#: takes about a second (the checker collects garbage between phases), so CI
-#: draws 30; ``TE_WM_DRAWN_PLAN_EXAMPLES=500`` covers the plan space widely.
-_EXAMPLES = int(os.environ.get("TE_WM_DRAWN_PLAN_EXAMPLES", "30"))
+#: message already names the call, the plan and what differed. The settings
+#: are enumerated (each its own test); Hypothesis draws the plans of each
+#: setting's calls: 4 per setting in the default profiles, 120 with
+#: ``HYPOTHESIS_PROFILE=thorough`` (``_examples.py``).
+_EXAMPLES = scaled(share=1 / 25, at_least=2)
 _HYPOTHESIS = settings(max_examples=_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
                        suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -225,20 +266,35 @@ def _carried_out_or_refused(ti, setting: Setting, data) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("setting", linear_settings(), ids=_setting_id)
 @_HYPOTHESIS
-@given(setting=settings_(), data=st.data())
+@given(data=st.data())
 def test_every_drawn_plan_is_carried_out_or_refused_by_name(ti, setting, data):
     _carried_out_or_refused(ti, setting, data)
 
 
+@pytest.mark.parametrize("setting", mlp_settings(), ids=_setting_id)
 @_HYPOTHESIS
-@given(setting=mlp_settings(), data=st.data())
+@given(data=st.data())
 def test_every_drawn_layernorm_mlp_plan_is_carried_out_or_refused_by_name(ti, setting, data):
     """The same for LayerNormMLP's two weights, each drawn its own plan,
     through TE's own checkpoint too (the GPU drawn-plan test found its
     recompute pass not carried out in round 6; this stand-in finds it on
     the code before the fix)."""
     _carried_out_or_refused(ti, setting, data)
+
+
+def test_the_settings_are_every_combination_once():
+    """Enumerated, not drawn: each axis's every value appears, and no setting twice."""
+    linear, mlp = linear_settings(), mlp_settings()
+    # shardings x microbatches x (plain, recompute, no_grad: input grad either way but under recompute) x overrides
+    assert len(linear) == len(set(linear)) == 3 * 2 * (2 + 1 + 2) * 3
+    assert len(mlp) == len(set(mlp)) == 3 * 2 * 4 * 2
+    assert {s.override for s in linear} == {None, "high_precision", "dequantized"}
+    assert {(s.recompute, s.no_grad, s.own) for s in mlp} == {(False, False, False), (True, False, False),
+                                                              (False, True, False), (False, False, True)}
+    for each in (linear, mlp):  # a test id per setting
+        assert len({_setting_id(s) for s in each}) == len(each)
 
 
 def test_picked_plans_choose_on_any_thread_and_say_what_they_chose():
@@ -290,17 +346,19 @@ def carried_out_by_te(ctx, plan) -> bool:
     return plan.backward_usage == Usage.ROWWISE and plan.forward_usage == Usage.ROWWISE
 
 
+@pytest.mark.parametrize("setting", linear_settings(), ids=_setting_id)
 @_HYPOTHESIS
-@given(setting=settings_(), data=st.data())
+@given(data=st.data())
 def test_plans_te_can_carry_out_are_never_refused(ti, setting, data):
+    """Drawn among :func:`carried_out_by_te`'s plans, a run is never refused,
+    and (as every run) conforms with stock's numbers."""
     policy = _drawing(data, carried_out_by_te)
     try:
-        _train(ti, setting, policy)
-    except AssertionError:
-        pass  # conformance and numerics are the other test's; this one asks only for no refusal
+        problems = _train(ti, setting, policy)
     except PolicyMismatchError as err:
         refused = {ctx: plan.summary() for ctx, plan in policy.planned().items()}
         pytest.fail(f"refused a plan TE can carry out: {err}\nplans: {refused}")
+    assert not problems, "\n".join(problems)
 
 
 def test_a_fixed_sharding_reads_what_it_was_given_and_refuses_anything_else():

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _fake_te
 import _fake_te_grouped as grouped
 from _fake_te import load_full_binding
+from _examples import scaled
 from test_binding_grouped import EXPERTS, IN, LAYOUTS, OUT, SPLITS, _saved_weight_parts, _weight_slots
 from test_drawn_plans import _HYPOTHESIS, _assert_refusal_names_the_plan
 from workspace_manager import BackwardSource, CacheAction, ColumnwiseSource, PolicyMismatchError, Sharding, Usage
@@ -138,7 +139,9 @@ def ti(monkeypatch):
     return load_full_binding(monkeypatch)
 
 
-@_HYPOTHESIS
+#: An example takes milliseconds (no liveness readings), so the settings are
+#: drawn, as many as the profile's max_examples.
+@settings(_HYPOTHESIS, max_examples=scaled(1))
 @given(setting=settings_(), data=st.data())
 def test_every_drawn_grouped_linear_plan_is_carried_out_or_refused_by_name(ti, setting, data):
     policy = DrawnPlanPolicy(chooser=lambda ctx, plans: data.draw(st.sampled_from(plans), label=f"plan for {ctx}"))

@@ -10,8 +10,8 @@ is refused at the call with a PolicyMismatchError naming a plan field and
 the context, or gives outputs and gradients equal to a stock twin's; in a
 plain training call, what each weight's forward quantizes, what is saved
 for backward (from the fuser's ctx) and what backward rebuilds or
-dequantizes must be what the plan says. It draws 300 examples (each takes
-milliseconds), or ``TE_WM_DRAWN_PLAN_EXAMPLES`` if more.
+dequantizes must be what the plan says. It draws three times the Hypothesis
+profile's max_examples (each takes milliseconds).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 import _fake_te
 import _fake_te_ops as ops
 from _fake_te_ops_grouped import GroupedLinear
-from test_drawn_plans import _EXAMPLES, _HYPOTHESIS, _assert_refusal_names_the_plan, _drawing
+from _examples import scaled
+from test_drawn_plans import _HYPOTHESIS, _assert_refusal_names_the_plan, _drawing
 from test_ops_binding import IN, OUT, _sharded, _usages, ti  # noqa: F401  (the fixture)
 from workspace_manager import PolicyMismatchError, Sharding, Usage
 
@@ -141,8 +142,8 @@ def _switches(monkeypatch):
     monkeypatch.setitem(ops._STATE, "override", None)
 
 
-#: A te.ops example takes milliseconds (the modules' about a second), so it draws more.
-@settings(_HYPOTHESIS, max_examples=max(300, _EXAMPLES))
+#: A te.ops example takes milliseconds and draws its setting too, so it draws more.
+@settings(_HYPOTHESIS, max_examples=scaled(3))
 @given(setting=ops_settings(), data=st.data())
 def test_every_drawn_te_ops_plan_is_carried_out_or_refused_by_name(ti, setting, data):
     _carried_out_or_refused(ti, setting, data)

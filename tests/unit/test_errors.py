@@ -166,3 +166,72 @@ def test_an_unknown_recipe_names_the_recipes_that_exist():
     assert isinstance(RECIPE_PROFILES, Mapping) and not hasattr(RECIPE_PROFILES, "__setitem__")
     assert "fp8" not in RECIPE_PROFILES and RECIPE_PROFILES.get("fp8") is None
     assert RECIPE_PROFILES["MXFP8BlockScaling"] is PROFILES["mxfp8"] and len(RECIPE_PROFILES) == 5
+
+
+@pytest.mark.parametrize("field, value, member", [
+    ("cache", "bypass", "CacheAction.BYPASS"),
+    ("forward_usage", "rowwise", "Usage.ROWWISE"),
+    ("backward_source", None, "BackwardSource.SAVED_WORKSPACE"),
+    ("backward_usage", 2, "Usage.COLUMNWISE"),
+    ("columnwise_source", "forward", "ColumnwiseSource.FORWARD"),
+    ("release", "nothing", "Release.NOTHING"),
+    ("parameter_keeps", "none", "Usage.NONE"),
+])
+def test_a_plan_field_of_the_wrong_type_names_field_value_and_members(field, value, member):
+    good = dict(cache=CacheAction.BYPASS, forward_usage=Usage.BOTH, backward_source=BackwardSource.SAVED_WORKSPACE,
+                backward_usage=Usage.COLUMNWISE, columnwise_source=ColumnwiseSource.FORWARD, release=Release.NOTHING)
+    with pytest.raises(ContextTypeError) as info:
+        WorkspacePlan(**{**good, field: value})
+    message = str(info.value)
+    assert f"WorkspacePlan.{field} must be a" in message and f"received {value!r}" in message
+    assert member in message, message  # a Flag's NONE and combined members are named too
+    assert isinstance(info.value, TypeError)
+
+
+def test_a_plan_of_strings_is_refused_at_its_first_field():
+    """The issue's call: every field a string, refused naming ``cache``."""
+    with pytest.raises(ContextTypeError,
+                       match=r"WorkspacePlan.cache must be a CacheAction member \(CacheAction.BYPASS"):
+        WorkspacePlan(cache="bypass", forward_usage="rowwise", backward_source="none", backward_usage="none",
+                      columnwise_source="not_needed", release="nothing")
+
+
+@pytest.mark.parametrize("notes", [["a list"], ("ok", 3), "one string"])
+def test_plan_notes_are_a_tuple_of_strings(notes):
+    with pytest.raises(ContextTypeError, match="WorkspacePlan.notes must be a tuple of str"):
+        WorkspacePlan(cache=CacheAction.BYPASS, forward_usage=Usage.ROWWISE, backward_source=BackwardSource.NONE,
+                      backward_usage=Usage.NONE, columnwise_source=ColumnwiseSource.NOT_NEEDED,
+                      release=Release.NOTHING, notes=notes)
+
+
+def test_an_unknown_profile_names_the_profiles_and_the_recipe_table():
+    from workspace_manager import PROFILES, RECIPE_PROFILES, UnknownProfileError
+
+    with pytest.raises(UnknownProfileError) as info:
+        PROFILES["Float8CurrentScaling"]
+    assert isinstance(info.value, KeyError)
+    message = str(info.value)
+    assert message.startswith("'Float8CurrentScaling' is no capability profile; PROFILES knows "
+                              "float8_delayed_scaling, float8_current_scaling, ")
+    assert "RECIPE_PROFILES['Float8CurrentScaling']" in message
+    with pytest.raises(UnknownProfileError, match="did you mean 'mxfp8'"):
+        PROFILES["MXFP8"]
+    # still a dict: `in` and .get do not raise, and a known name is found
+    assert "Float8CurrentScaling" not in PROFILES and PROFILES.get("Float8CurrentScaling") is None
+    assert PROFILES["float8_current_scaling"] is RECIPE_PROFILES["Float8CurrentScaling"]
+
+
+def test_registering_none_is_refused_and_registers_nothing():
+    from workspace_manager import InvalidCapabilitiesError, QuantizerRegistry, register_quantizer
+
+    registry = QuantizerRegistry()
+    with pytest.raises(InvalidCapabilitiesError, match="register_quantizer received None for the quantizer") as info:
+        register_quantizer(None, capabilities=CAPS, registry=registry)
+    assert isinstance(info.value, TypeError) and "@register_quantizer(capabilities=...)" in str(info.value)
+    assert len(registry) == 0
+
+    @register_quantizer(capabilities=CAPS, registry=registry)  # the decorator form still works
+    class Decorated:
+        pass
+
+    assert registry.lookup(Decorated) is CAPS

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from workspace_manager import install_hint
+
 #: Runs ``body`` in a fresh interpreter in which ``import hypothesis`` fails.
 _WITHOUT_HYPOTHESIS = "import sys; sys.modules['hypothesis'] = None\n"
 
@@ -22,7 +24,7 @@ def test_hypothesis_helpers_name_the_test_extra(module):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ")
     assert f"workspace_manager.testing.{module} needs Hypothesis" in last
-    assert "pip install 'te-workspace-manager[test]'" in last
+    assert install_hint("test") in last
 
 
 def test_the_kit_imports_and_runs_without_hypothesis():

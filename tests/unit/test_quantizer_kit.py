@@ -190,6 +190,15 @@ def test_reports_are_deterministic():
         (dict(capabilities="fp8"), InvalidCapabilitiesError, "capabilities must be a QuantizerCapabilities"),
         (dict(examples=0), KitArgumentError, "examples must be a positive int"),
         (dict(shapes=[(128,)]), KitArgumentError, "shapes must be"),
+        # one pair where a sequence of pairs is wanted: the message shows how to write it
+        (dict(shapes=(128, 256)), KitArgumentError,
+         r"received \(128, 256\); for one shape write shapes=\(\(128, 256\),\)"),
+        (dict(shapes="128x256"), KitArgumentError, "shapes must be a non-empty sequence of"),
+        (dict(seed="a"), KitArgumentError, r"seed must be a non-negative int; received 'a' \(str\)"),
+        (dict(seed=True), KitArgumentError, r"seed must be a non-negative int; received True \(bool\)"),
+        (dict(seed=-1), KitArgumentError, "seed must be a non-negative int"),
+        (dict(dtype="float32"), KitArgumentError, r"dtype must be a floating-point torch.dtype .*received 'float32'"),
+        (dict(dtype=torch.int8), KitArgumentError, "dtype must be a floating-point torch.dtype"),
     ],
 )
 def test_bad_arguments_are_user_errors(kwargs, error, match):

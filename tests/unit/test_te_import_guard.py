@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from workspace_manager import install_hint
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,7 +33,7 @@ def test_without_te_the_error_says_how_to_install(tmp_path):
     blocker.write_text("raise ImportError('No module named transformer_engine (blocked by the test)')\n")
     result = _import_with([str(tmp_path)])
     assert result.returncode == 3, result.stderr
-    assert "UnsupportedTEError" in result.stdout and "te-workspace-manager[te]" in result.stdout
+    assert "UnsupportedTEError" in result.stdout and install_hint("te") in result.stdout
 
 
 def test_another_te_version_names_installed_and_supported(tmp_path):
@@ -42,6 +44,7 @@ def test_another_te_version_names_installed_and_supported(tmp_path):
     result = _import_with([str(tmp_path)])
     assert result.returncode == 3, result.stderr
     assert "2.19.1" in result.stdout and ">=2.20,<2.21" in result.stdout
+    assert install_hint("te") in result.stdout  # the te extra pins a supported TE
     assert issubclass_importerror(result.stdout)
 
 

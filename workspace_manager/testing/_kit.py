@@ -87,7 +87,8 @@ def check_quantizer(
     walks per lifecycle setting; ``steps`` the events per walk. Returns a
     :class:`QuantizerReport`; call ``report.raise_for_failures()`` in a test.
     """
-    _check_arguments(factory, capabilities, examples, steps, shapes)
+    _check_arguments(factory, capabilities, examples, steps, seed)
+    _check_weights(shapes, dtype)
     protocol, quantizer = protocol_check(factory)
     if capabilities is None and quantizer is None:
         raise KitArgumentError(f"cannot look up capabilities: {protocol.reason}; pass capabilities=... explicitly")
@@ -107,7 +108,7 @@ def check_quantizer(
 _QUANTIZER_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe", "lifecycle")
 
 
-def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any, shapes: Any) -> None:
+def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any, seed: Any) -> None:
     if not callable(factory):
         raise KitArgumentError(
             "check_quantizer's factory must be a callable returning a fresh quantizer (e.g. the quantizer "
@@ -121,8 +122,27 @@ def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any,
     for label, value in (("examples", examples), ("steps", steps)):
         if type(value) is not int or value < 1:
             raise KitArgumentError(f"check_quantizer's {label} must be a positive int; received {value!r}")
-    if not shapes or not all(len(s) == 2 and all(type(d) is int and d > 0 for d in s) for s in shapes):
-        raise KitArgumentError(f"check_quantizer's shapes must be (rows, columns) pairs of positive ints; received {shapes!r}")
+    # exactly int: a bool or a float seed would be a typo that torch's generator turns into another seed or rejects
+    if type(seed) is not int or seed < 0:
+        raise KitArgumentError(f"check_quantizer's seed must be a non-negative int; received {seed!r} "
+                               f"({type(seed).__name__})")
+
+
+def _check_weights(shapes: Any, dtype: Any) -> None:
+    """The sample weights' shapes and dtype, refused before any is made."""
+    def is_pair(shape: Any) -> bool:
+        return (isinstance(shape, (tuple, list)) and len(shape) == 2
+                and all(type(d) is int and d > 0 for d in shape))
+
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes \
+            or not all(is_pair(s) for s in shapes):
+        one = f"; for one shape write shapes=({tuple(shapes)!r},)" if is_pair(shapes) else ""
+        raise KitArgumentError("check_quantizer's shapes must be a non-empty sequence of (rows, columns) pairs of "
+                               f"positive ints, e.g. {DEFAULT_SHAPES!r}; received {shapes!r}{one}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise KitArgumentError("check_quantizer's dtype must be a floating-point torch.dtype (the weights' high "
+                               f"precision, e.g. torch.float32 or torch.bfloat16); received {dtype!r} "
+                               f"({type(dtype).__name__})")
 
 
 def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:

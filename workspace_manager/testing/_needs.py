@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 
+from .._hints import install_hint
+
 __all__ = ["require_hypothesis", "TEST_EXTRA_HINT"]
 
 #: How to get everything ``workspace_manager.testing`` can use.
-TEST_EXTRA_HINT = "pip install 'te-workspace-manager[test]'"
+TEST_EXTRA_HINT = install_hint("test")
 
 
 def require_hypothesis(module: str) -> None:
