@@ -22,6 +22,7 @@ transpose per weight per step). ``series``: the loss per step, which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ def build(variant: str, recipe):
     import te_integration as ti
 
     qinit = variant != "bf16"
-    init = te.quantized_model_init(enabled=True, recipe=recipe) if qinit else _null()
+    init = te.quantized_model_init(enabled=True, recipe=recipe) if qinit else contextlib.nullcontext()
     torch.manual_seed(0)
     layers = []
     with init:
@@ -64,12 +65,6 @@ def build(variant: str, recipe):
                 layers.append(torch.nn.GELU())
     model = torch.nn.Sequential(*layers)
     return ti.convert_model(model) if variant == "dropin" else model
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def teacher():

@@ -11,6 +11,7 @@ GPU test and a benchmark measuring the same thing.
 | ``dist`` | the NCCL process group of a torchrun rank, ``guard`` and the GPU workers' skeleton ``run_worker`` |
 | ``record`` | what a result records about where it ran (commit, TE, torch, GPUs) and its JSON values |
 | ``attribution`` | how far the attribution report's bytes and allocated memory disagree |
+| ``freshness`` | two blocks of each module kind with quantized parameters (any sharding), the stale-free reference, and the training loop the freshness test and ``benchmarks.fp8_params`` share |
 
 ``tests`` and ``benchmarks`` import this package; it imports neither. It is
 not installed by pip (``pyproject.toml`` ships ``workspace_manager`` and

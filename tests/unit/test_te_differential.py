@@ -340,9 +340,16 @@ def test_each_option_is_documented_as_an_option_off_by_default():
         assert "off by default" in section, difference.ident
 
 
+#: Numbered sections that are guarantees of the binding, not differences in a
+#: plan: nothing here compares them; their own tests do (D12:
+#: tests/unit/test_binding_freshness.py on the stand-in TE,
+#: tests/gpu/test_freshness.py on the GPU).
+BINDING_GUARANTEES = frozenset({"D12-no-copy-outlives-its-source"})
+
+
 def test_differences_are_documented():
     text = DECISIONS_MD.read_text()
-    documented = set(re.findall(r"^## (D\d+-[a-z0-9-]+)", text, flags=re.M))
+    documented = set(re.findall(r"^## (D\d+-[a-z0-9-]+)", text, flags=re.M)) - BINDING_GUARANTEES
     listed = {d.ident for d in DIFFERENCES}
     assert listed <= documented, f"not in docs/decisions.md: {sorted(listed - documented)}"
     assert documented <= listed, f"documented but not tested: {sorted(documented - listed)}"
