@@ -4,7 +4,11 @@
 with every workspace decision (cache, forward usage, what backward gets,
 what is released) taken from ``workspace_manager``'s policies; so are
 ``OpsBasicLinear`` and ``OpsGroupedLinear``, TE's fusible ops (``te.ops``,
-also inside ``te.ops.Linear`` and ``te.ops.Sequential``). Importing
+also inside ``te.ops.Linear`` and ``te.ops.Sequential``). The drop-ins
+read no quantized copy made from older weights (docs/decisions.md, D12,
+which lists the one case not yet right); ``stale_workspaces``,
+``check_stale_reads`` and ``release_workspaces`` find, watch for and free
+such copies in any TE model, stock modules included. Importing
 this package needs TransformerEngine 2.20.x; it raises ImportError naming
 the installed and supported versions otherwise. See docs/te-integration.md.
 """
