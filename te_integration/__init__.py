@@ -34,16 +34,8 @@ from ._state import ModuleWorkspaceState
 from ._foreign_patches import ForeignPatchError
 from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
 from ._step_hook import release_step_caches
-from ._stale import (
-    StaleCopy,
-    StaleKind,
-    StaleRead,
-    StaleReadWatch,
-    StaleWorkspaceError,
-    check_stale_reads,
-    release_workspaces,
-    stale_workspaces,
-)
+from ._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
+from ._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
 from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
 from ._plan_support import recompute_mismatch_reason, unsupported_reason
 from ._plan_support_ops import ops_unsupported_reason

@@ -25,6 +25,7 @@ from workspace_manager import fsdp2_gathered_parameters
 def ti(monkeypatch):
     binding = load_full_binding(monkeypatch)
     binding.stale = importlib.import_module("te_integration._stale")
+    binding.watch = importlib.import_module("te_integration._gemm_watch")
     binding.freshness = sys.modules["te_integration._freshness"]
     compat = sys.modules["te_integration._compat"]
     monkeypatch.setattr(compat, "GEMM_SITES", ((binding.files["linear"], "general_gemm"),), raising=False)
@@ -207,20 +208,20 @@ def test_check_stale_reads_raises_at_stocks_dgrad_and_counts_none_for_the_drop_i
         _input_grad(module)
         _fp8_optimizer_write(module.weight, w1)
     _any_optimizer_step()
-    with ti.stale.check_stale_reads(action="count") as watch:
+    with ti.watch.check_stale_reads(action="count") as watch:
         _input_grad(managed)
     assert watch.reads == [] and watch.compared == 1
     with pytest.raises(ti.stale.StaleWorkspaceError, match="linear.general_gemm .*operand A"):
-        with ti.stale.check_stale_reads(stock):
+        with ti.watch.check_stale_reads(stock):
             _input_grad(stock)
     assert ti.files["linear"].general_gemm.__name__ == "general_gemm"  # the watch put TE's GEMM back
 
 
 def test_check_stale_reads_refuses_bad_arguments(ti):
     with pytest.raises(ValueError, match="action must be 'raise' or 'count'"):
-        ti.stale.check_stale_reads(action="warn")
+        ti.watch.check_stale_reads(action="warn")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        ti.stale.check_stale_reads("model")
+        ti.watch.check_stale_reads("model")
     with pytest.raises(TypeError, match="release_workspaces: model must be a torch.nn.Module"):
         ti.stale.release_workspaces(None)
 
