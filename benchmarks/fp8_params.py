@@ -14,8 +14,9 @@ transpose removed, ``testbed.freshness.reference_reset``), the drop-in
 
 Rows: the drop-in's loss curve equals the reference's bit for bit; final
 losses; then step time, the drop-in against stock with a stock-again
-control, the models stepping in turn (what the fix costs: one FP8
-transpose per weight per step). ``series``: the loss per step, which
+control, the models stepping in turn; and the drop-in's step task alone
+(what the fix costs: one FP8 transpose per weight per step), timed over
+200 calls. ``series``: the loss per step, which
 ``python3 -m benchmarks.plot`` draws.
 """
 
@@ -155,7 +156,30 @@ def step_times(recipe_name: str, timed: int) -> dict[str, list[float]]:
     return times
 
 
-def rows_for(recipe_name: str, losses: dict, times: dict) -> list[dict]:
+def step_task_seconds(recipe_name: str, calls: int = 200) -> tuple[float, int]:
+    """Seconds one optimizer step's freshness task takes for the drop-in
+    model (TE's ``_reset_caches`` and transpose kernel per quantized weight,
+    synchronized), and how many weights it remade: what D12 adds to a step."""
+    import torch
+
+    from te_integration import _freshness
+    from testbed.recipes import make_recipe
+
+    recipe, target = make_recipe(recipe_name), teacher()
+    trainer = Trainer("dropin", recipe)
+    for s in range(3):
+        trainer.step(*batch(s, target))
+    modules = [m for m in trainer.model.modules() if any(True for _ in m.parameters(recurse=False))]
+    weights = sum(1 for m in modules for p in m.parameters(recurse=False) if _freshness.is_per_tensor(p))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        _freshness._refresh_tracked(modules)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls, weights
+
+
+def rows_for(recipe_name: str, losses: dict, times: dict, task: tuple[float, int]) -> list[dict]:
     case = f"{recipe_name}, FP8 params + FusedAdam"
     final = {v: values[-1] for v, values in losses.items()}
     rows = [h.check_row(case, "drop-in loss curve equals the reference's", losses["dropin"] == losses["reference"],
@@ -164,6 +188,11 @@ def rows_for(recipe_name: str, losses: dict, times: dict) -> list[dict]:
                             note=f"first {losses['stock'][0]:.4f}; reference {final['reference']:.4f}"))
     rows.append(h.time_row(case, times["stock"], times["dropin"]))
     rows.append(h.control_row(case, times["stock"], times["again"]))
+    seconds, weights = task
+    stock_ms = h.spread([1e3 * t for t in times["stock"]])["median"]
+    rows.append(h.ratio_row(case, "step task: transposes remade at the step", "us", None, 1e6 * seconds, limit=None,
+                            note=f"{weights} weights, {1e6 * seconds / max(weights, 1):.1f} us each; "
+                                 f"{100 * 1e3 * seconds / stock_ms:.2f}% of stock's median step"))
     return rows
 
 
@@ -182,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for recipe_name in args.recipes:
         losses = curves(recipe_name, args.steps)
         times = step_times(recipe_name, args.timed)
-        result["rows"] += rows_for(recipe_name, losses, times)
+        result["rows"] += rows_for(recipe_name, losses, times, step_task_seconds(recipe_name))
         result["series"].append(series_for(recipe_name, losses))
         result["samples"].append({"recipe": recipe_name, "losses": losses, "times_s": times})
         if not args.quiet:

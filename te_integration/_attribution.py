@@ -231,7 +231,7 @@ def _recording(model: torch.nn.Module, timeline: bool) -> Iterator[WorkspaceReco
             h.remove()
 
 
-def _step_point() -> None:
+def _step_point(stepped: list) -> None:
     if _RECORDING is not None:
         _RECORDING.mark("optimizer step", "step")
         LEDGER.next_step()

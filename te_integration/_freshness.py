@@ -45,7 +45,7 @@ import torch
 from workspace_manager import buffers_of
 
 from . import _compat as te
-from ._step_hook import STEPS, add_step_task, tracked
+from ._step_hook import STEPS, add_step_task
 
 __all__ = ["HeldCopy", "held_copies", "refresh_parameter", "refresh_experts", "release_module", "is_per_tensor",
            "copy_nbytes", "placement"]
@@ -116,15 +116,15 @@ def held_copies(module: Any, gathered: list | None = None) -> Iterator[HeldCopy]
             yield HeldCopy(module, name, "gathered_transpose", tensor)
 
 
-def _refresh_tracked() -> None:
-    """At the step: the drop-ins' quantized parameters' transposes are made
-    again from the data the optimizer just wrote (the next forward would
-    mark them invalid; done now, no valid-flagged stale transpose exists
-    between steps, and the parameter keeps the usages its plan says,
-    ``parameter_keeps``). TE's transpose kernel writes into the existing
-    buffer: no memory moves."""
-    for module in tracked():
-        for param in module.parameters(recurse=False):
+def _refresh_tracked(stepped: list) -> None:
+    """At the step: the quantized parameters' transposes of the drop-ins the
+    optimizer wrote are made again from the data it just wrote (the next
+    forward would mark them invalid; done now, no valid-flagged stale
+    transpose exists between steps, and the parameter keeps the usages its
+    plan says, ``parameter_keeps``). TE's transpose kernel writes into the
+    existing buffer: no memory moves."""
+    for module in stepped:
+        for param in module._parameters.values():
             local = getattr(param, "_local_tensor", param)
             if not isinstance(local, te.QuantizedTensorStorage):
                 continue

@@ -25,7 +25,7 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._state import state_of
-from ._step_hook import add_step_task, track, tracked
+from ._step_hook import add_step_task, track
 
 
 def trim_sharded_parameters(module: Any, *, only_regrown: bool = False) -> int:
@@ -71,8 +71,8 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     return plan_call(state.policy, shape).plan
 
 
-def _retrim_tracked() -> None:
-    for module in tracked():
+def _retrim_tracked(stepped: list) -> None:
+    for module in stepped:
         trim_sharded_parameters(module, only_regrown=True)
 
 

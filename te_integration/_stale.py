@@ -41,7 +41,7 @@ from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, relea
 from ._step_hook import STEPS, ensure_hook
 
 __all__ = ["StaleKind", "StaleCopy", "StaleWorkspaceError", "stale_workspaces", "release_workspaces",
-           "transpose_matches"]
+           "transpose_matches", "as_kernels_read"]
 
 
 class StaleKind(enum.Enum):
@@ -80,16 +80,37 @@ def _transpose_of(data: torch.Tensor) -> torch.Tensor:
     return data.reshape(-1, data.shape[-1]).t().contiguous()
 
 
+def as_kernels_read(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in the order TE's kernels read them: TE hands a
+    kernel a data pointer and a shape, never strides, so the elements are
+    the ``numel`` bytes from the pointer on. That differs from the
+    tensor's own view where the view is not contiguous: TE 2.20.2's
+    ``as_strided`` on a ``Float8Tensor`` (FSDP2's first all-gather makes the
+    unsharded parameter so, ``reshard_after_forward=False``) gives the
+    transpose the data's strides swapped, a view whose element order is not
+    the buffer's while every kernel still reads the buffer."""
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)
+    available = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
+    if available < tensor.numel():
+        raise ValueError(f"as_kernels_read: a tensor of {tensor.numel()} elements with strides "
+                         f"{tuple(tensor.stride())} has only {available} in its storage from its offset")
+    return tensor.as_strided((tensor.numel(),), (1,))
+
+
 def transpose_matches(tensor: Any) -> bool | None:
-    """Whether a per-tensor FP8 tensor's valid transpose is the transpose
-    of its data; None where there is nothing to compare (no valid
-    transpose, or no data: freed by FSDP2, or a columnwise-only tensor)."""
+    """Whether a per-tensor FP8 tensor's valid transpose, read as TE's
+    kernels read it (:func:`as_kernels_read`), is the transpose of its data;
+    None where there is nothing to compare (no valid transpose, or no data:
+    freed by FSDP2, or a columnwise-only tensor)."""
     if not is_per_tensor(tensor) or tensor._transpose is None or tensor._transpose_invalid:
         return None
     data = tensor._data
     if data is None or data.untyped_storage().nbytes() == 0:
         return None
-    return torch.equal(tensor._transpose.reshape(-1), _transpose_of(data).reshape(-1))
+    # The data as TE's own transpose kernel takes it (``_create_transpose``
+    # makes it contiguous first); the transpose as the GEMM reads it.
+    return torch.equal(as_kernels_read(tensor._transpose), _transpose_of(data).reshape(-1))
 
 
 def _mantissa_bits(tensor: Any) -> int | None:

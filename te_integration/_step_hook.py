@@ -8,7 +8,13 @@ reappeared are trimmed again, and an active attribution recording takes a
 timeline point. One global ``torch.optim`` step post-hook, installed by the
 first drop-in (TE's ``FusedAdam`` is a ``torch.optim.Optimizer``, so its
 steps run it too), runs them in that order; the other modules register
-their task here, so this module imports none of them.
+their task here, so this module imports none of them. A task is handed the
+tracked modules the stepping optimizer wrote (those holding one of its
+parameters): a process that trains two models, each with its optimizer,
+does not remake one model's transposes at the other's step. The generation
+still moves at every step, so a copy a task did not remake is found old by
+the stamps at its next use (``_freshness``): the scoping saves work, it
+cannot let a stale copy through.
 
 Cache release: a plan with ``Release.CACHED_WORKSPACE`` (FSDP2 with
 ``reshard_after_forward=False``, microbatches and the microbatch cache
@@ -22,6 +28,7 @@ a pending backward that saved the workspace keeps its own.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -52,7 +59,9 @@ STEPS = StepGeneration()
 
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TRACKED: weakref.WeakSet = weakref.WeakSet()
-_TASKS: list[Callable[[], None]] = []
+_TASKS: list[Callable[[list[Any]], None]] = []
+#: Per optimizer: its param groups' signature and the ids of its parameters.
+_OPTIMIZER_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 _HOOK: Any = None
 
@@ -67,8 +76,9 @@ def ensure_hook() -> None:
             _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def add_step_task(task: Callable[[], None]) -> None:
-    """Run ``task()`` at every optimizer step, after the cache release."""
+def add_step_task(task: Callable[[list[Any]], None]) -> None:
+    """Run ``task(modules)`` at every optimizer step, after the cache
+    release, with the tracked modules that step wrote (:func:`stepped`)."""
     if task not in _TASKS:
         _TASKS.append(task)
 
@@ -85,6 +95,34 @@ def tracked() -> list[Any]:
     return list(_TRACKED)
 
 
+def _parameter_ids(optimizer: Any) -> frozenset[int] | None:
+    """The ids of ``optimizer``'s parameters, remembered while its param
+    groups keep their lists and lengths; None: it has no param groups."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return None
+    signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+    try:
+        known = _OPTIMIZER_PARAMS.get(optimizer)
+    except TypeError:  # not weakly referable: found again at each step
+        known = None
+    if known is None or known[0] != signature:
+        known = (signature, frozenset(id(p) for group in groups for p in group["params"]))
+        with contextlib.suppress(TypeError):
+            _OPTIMIZER_PARAMS[optimizer] = known
+    return known[1]
+
+
+def stepped(optimizer: Any) -> list[Any]:
+    """The tracked modules holding a parameter of ``optimizer`` (every
+    tracked module where the optimizer lists no param groups)."""
+    ids = _parameter_ids(optimizer)
+    modules = tracked()
+    if ids is None:
+        return modules
+    return [m for m in modules if any(id(p) in ids for p in m._parameters.values() if p is not None)]
+
+
 def release_after_step(module: Any, key: str) -> None:
     """Mark ``module``'s cached workspace ``key`` for release after the step."""
     with _LOCK:
@@ -96,8 +134,10 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     STEPS.advance()
     if _PENDING:
         release_step_caches()
-    for task in _TASKS:
-        task()
+    if _TASKS:
+        modules = stepped(optimizer)
+        for task in _TASKS:
+            task(modules)
 
 
 def release_step_caches(model: torch.nn.Module | None = None) -> int:

@@ -28,8 +28,10 @@ def test_defaults_and_quick_run():
 
 @pytest.mark.parametrize("equal", [True, False])
 def test_the_loss_check_holds_only_where_the_drop_in_equals_the_reference(equal):
-    rows = fp8_params.rows_for("DelayedScaling", _losses(equal), _times())
+    rows = fp8_params.rows_for("DelayedScaling", _losses(equal), _times(), (64e-6, 6))
     check = next(r for r in rows if r["metric"] == "drop-in loss curve equals the reference's")
+    task = next(r for r in rows if r["metric"].startswith("step task"))
+    assert task["dropin"] == pytest.approx(64.0) and "6 weights, 10.7 us each; 1.00% of stock's" in task["note"]
     assert check["ok"] is equal
     final = next(r for r in rows if r["metric"] == "final loss")
     assert (final["stock"], final["bf16"]) == (0.16, 0.06)

@@ -101,6 +101,8 @@ def _function_node(grad_fn):
 
 
 def _saved_kinds(grad_fn, block) -> dict:
+    from te_integration._stale import transpose_matches
+
     grad_fn = _function_node(grad_fn)
     params = {id(p) for p in block.parameters()}
     cached = {id(w) for w in block._fp8_workspaces.values()}
@@ -109,18 +111,9 @@ def _saved_kinds(grad_fn, block) -> dict:
         kind = None if t is None else _slot_kind(t, block, params, cached)
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
-        if kind in ("qparam", "quantized") and _stale_columnwise(t):
+        if kind in ("qparam", "quantized") and transpose_matches(t) is False:
             counts["stale_columnwise"] = counts.get("stale_columnwise", 0) + 1
     return counts
-
-
-def _stale_columnwise(t) -> bool:
-    """A per-tensor FP8 weight whose transpose is not its data's: a
-    columnwise copy left from before the data last changed."""
-    transpose, data = getattr(t, "_transpose", None), getattr(t, "_data", None)
-    if transpose is None or data is None or getattr(t, "_transpose_invalid", True):
-        return False
-    return not torch.equal(transpose, data.t().contiguous())
 
 
 def _run(case: dict, variant: str) -> dict:

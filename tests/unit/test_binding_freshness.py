@@ -53,7 +53,8 @@ def _fp8_optimizer_write(qp, new_weight: torch.Tensor) -> None:
 
 
 def _any_optimizer_step() -> None:
-    """A torch.optim step (FusedAdam is one): the global step hooks run."""
+    """A step of a torch.optim optimizer holding none of the tests' weights
+    (FusedAdam is one): the global step hook runs and moves the generation."""
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
 
 
@@ -97,9 +98,27 @@ def test_a_step_makes_a_drop_ins_parameter_transposes_again_from_the_new_data(ti
     param = managed.weight = _registered_quantized_param()
     ti.step_hook.track(managed)  # what the module's first planned call of a quantized parameter does
     _fp8_optimizer_write(param, torch.randn(8, 8))
-    _any_optimizer_step()
+    torch.optim.SGD([param], lr=0.1).step()
     # Current, valid, and the plan's usages kept (rowwise and columnwise).
     assert not param._transpose_invalid and torch.equal(param._transpose, param._data.t())
+
+
+def test_a_step_remakes_only_the_transposes_of_the_modules_whose_parameters_it_holds(ti):
+    stepped, other = (ti.modules.convert_model(TELinear(8, 8)) for _ in range(2))
+    for module in (stepped, other):
+        module.weight = _registered_quantized_param()
+        module.weight._transpose = module.weight._data.t().contiguous()  # current
+        ti.step_hook.track(module)
+    kept = other.weight._transpose
+    optimizer = torch.optim.SGD([stepped.weight], lr=0.1)
+    for _ in range(2):  # the second step finds the optimizer's parameters remembered
+        _fp8_optimizer_write(stepped.weight, torch.randn(8, 8))
+        optimizer.step()
+        assert torch.equal(stepped.weight._transpose, stepped.weight._data.t())
+        assert other.weight._transpose is kept and not other.weight._transpose_invalid
+    optimizer.add_param_group({"params": [other.weight]})  # now it holds both
+    optimizer.step()
+    assert other.weight._transpose is not kept
 
 
 def test_a_later_microbatch_after_an_in_place_write_refreshes_the_cached_workspace(ti):
@@ -184,7 +203,7 @@ def test_stale_workspaces_finds_stocks_stale_transpose_and_none_in_the_drop_in(t
         assert ti.stale.stale_workspaces(module) == []
         _fp8_optimizer_write(module.weight, torch.randn(8, 8))
     ti.step_hook.track(model["managed"])  # as its first planned call of a quantized parameter does
-    _any_optimizer_step()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # the optimizer that wrote them
     found = ti.stale.stale_workspaces(model)
     assert [(s.module, s.weight, s.kind) for s in found] == [("stock", "weight", ti.stale.StaleKind.TRANSPOSE_MISMATCH)]
     assert found[0].nbytes == 8 * 8 * 4 and "stock.weight" in str(found[0])
@@ -224,6 +243,30 @@ def test_check_stale_reads_refuses_bad_arguments(ti):
         ti.watch.check_stale_reads("model")
     with pytest.raises(TypeError, match="release_workspaces: model must be a torch.nn.Module"):
         ti.stale.release_workspaces(None)
+
+
+class _PerTensorFP8:
+    """Per-tensor FP8's layout: rowwise bytes and a derived transpose with its flag."""
+
+    def __init__(self, data: torch.Tensor, transpose: torch.Tensor) -> None:
+        self._data, self._transpose, self._transpose_invalid = data, transpose, False
+
+
+def test_a_transpose_is_compared_as_the_kernels_read_it_not_through_its_view(ti):
+    # TE's as_strided on a Float8Tensor (FSDP2's first all-gather) views the
+    # contiguous transpose buffer with the data's strides swapped; the GEMM
+    # reads the buffer from its pointer, so the copy is current.
+    data = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    buffer = data.t().contiguous()
+    view = buffer.as_strided((6, 4), (1, 6))
+    assert not torch.equal(view, data.t())  # read through its strides it looks stale
+    assert ti.stale.transpose_matches(_PerTensorFP8(data, view)) is True
+    assert ti.stale.transpose_matches(_PerTensorFP8(data, buffer)) is True
+    buffer[0, 0] += 1  # the buffer itself holds something else: stale either way
+    assert ti.stale.transpose_matches(_PerTensorFP8(data, view)) is False
+    assert torch.equal(ti.stale.as_kernels_read(view), buffer.reshape(-1))
+    with pytest.raises(ValueError, match="has only 2 in its storage"):  # a broadcast view near the end
+        ti.stale.as_kernels_read(buffer.reshape(-1).as_strided((2, 2), (0, 1), 22))
 
 
 class _FP8Copy:
