@@ -355,9 +355,12 @@ def _path_from(root: Any, module: Any) -> list[Any]:
 
 
 def fsdp2_gathered_parameters(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
-    """``(owning module, parameter name, tensor)`` for each unsharded
-    parameter FSDP2 keeps for the modules in ``model``, whether or not its
-    storage is allocated now.
+    """``(module, parameter name, tensor)`` for each unsharded parameter
+    FSDP2 keeps for the modules in ``model``, whether or not its storage is
+    allocated now: one entry per module that registers it, so a parameter a
+    wrapper shares with its child (te.ops's ``Linear`` and its
+    ``BasicLinear``; FSDP2 records the first as the owner and the child as
+    sharing it) is listed under both.
 
     FSDP2 makes the unsharded parameter at the first all-gather and reuses
     the same object at every later one (a tensor subclass's
@@ -383,8 +386,10 @@ def fsdp2_gathered_parameters(model: torch.nn.Module) -> list[tuple[Any, str, An
                 info = getattr(fsdp_param, "_module_info", None)
                 # Set by FSDP2's first all-gather (init_unsharded_param); absent before.
                 tensor = vars(fsdp_param).get("_unsharded_param")
-                if info is None or tensor is None or id(info.module) not in inside or id(fsdp_param) in seen:
+                if info is None or tensor is None or id(fsdp_param) in seen:
                     continue
                 seen.add(id(fsdp_param))
-                found.append((info.module, info.param_name, tensor))
+                holders = [(info.module, info.param_name),
+                           *zip(getattr(info, "shared_modules", ()), getattr(info, "shared_param_names", ()))]
+                found.extend((module, name, tensor) for module, name in holders if id(module) in inside)
     return found

@@ -284,6 +284,38 @@ def toggle_rows(mesh) -> list[dict]:
     return rows + [_last_layer_row(mesh)]  # after the stale check: it makes new FSDP2 states
 
 
+class SharesChildWeight(nn.Module):
+    """A wrapper registering its child's weight as its own, as te.ops's
+    fused ``Linear`` does with its ``BasicLinear``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = lin()
+        self.weight = self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def gathered_rows(mesh) -> list[dict]:
+    """``fsdp2_gathered_parameters`` lists an unsharded parameter under every
+    module that registers it: the wrapper FSDP2 names as its owner and the
+    child sharing it."""
+    from workspace_manager import fsdp2_gathered_parameters
+
+    model = nn.Sequential(SharesChildWeight(), lin())
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model(torch.randn(4, DIM)).sum().backward()
+    entries = fsdp2_gathered_parameters(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    got = sorted(f"{names[id(module)]}.{name}" for module, name, _ in entries if name == "weight")
+    same = {id(t) for module, name, t in entries if name == "weight" and names[id(module)].startswith("0")}
+    expected = ["0.inner.weight", "0.weight", "1.weight"]
+    return [{"case": "gathered", "leaf": "0, 0.inner, 1", "phase": "after a step",
+             "expected": f"{expected}, one tensor for 0 and 0.inner", "got": f"{got}, {len(same)} tensor(s)",
+             "passed": got == expected and len(same) == 1}]
+
+
 def main() -> int:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
@@ -304,6 +336,7 @@ def main() -> int:
                              "got": f"{type(exc).__name__}: {exc}", "passed": False})
     rows.extend(outside_root_rows(mesh))
     rows.extend(toggle_rows(mesh))
+    rows.extend(gathered_rows(mesh))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "skipped": skipped})
     failed = sum(not row["passed"] for part in gathered for row in part["rows"])
