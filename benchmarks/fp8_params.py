@@ -1,6 +1,6 @@
 """TE's FP8-parameter training flow, stock against the drop-in: loss curves and step time.
 
-    python3 -m benchmarks.fp8_params [--quick] [--recipes DelayedScaling,Float8CurrentScaling] [--steps N]
+    python3 -m benchmarks.fp8_params [--quick] [--recipes DelayedScaling,Float8CurrentScaling] [--steps N] [--profile]
 
 TE's documented way to train FP8 parameters: ``te.quantized_model_init``
 and ``te.optimizers.FusedAdam(master_weights=True)``. The model: 6 x
@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", type=h.csv_choices(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}")
     p.add_argument("--steps", type=h.positive_int, help="training steps per variant (default 300)")
     p.add_argument("--timed", type=h.positive_int, help="timed steps per model, in turn (default 100)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step of stock and of the drop-in under cProfile (tables of added calls "
+                        "and own host time per function)")
     return p
 
 
@@ -179,6 +182,30 @@ def step_task_seconds(recipe_name: str, calls: int = 200) -> tuple[float, int]:
     return (time.perf_counter() - start) / calls, weights
 
 
+def profile_tables(recipe_name: str) -> list[dict]:
+    """One step of stock and of the drop-in under cProfile, after warm-up
+    steps of both (the drop-in's step task included): where the drop-in's
+    extra host time goes."""
+    from testbed.recipes import make_recipe
+
+    from ._profile import added_calls_table, own_time_table, profile_step
+
+    recipe, target = make_recipe(recipe_name), teacher()
+    trainers = {v: Trainer(v, recipe) for v in ("stock", "dropin")}
+    for s in range(3):
+        for trainer in trainers.values():
+            trainer.step(*batch(s, target))
+    x, y = batch(3, target)
+    # The drop-in first, straight after its own warm-up step: as in a run of
+    # one model, no other optimizer has moved the step generation since.
+    got = {v: profile_step(lambda t=trainers[v]: t.step(x, y)) for v in ("dropin", "stock")}
+    case = f"{recipe_name}, FP8 params + FusedAdam"
+    return [added_calls_table(f"Where the host time goes: {case}, one step", got["stock"]["calls"],
+                              got["dropin"]["calls"]),
+            own_time_table(f"Own host time per function: {case}, one step", got["stock"]["own_by"],
+                           got["dropin"]["own_by"])]
+
+
 def rows_for(recipe_name: str, losses: dict, times: dict, task: tuple[float, int]) -> list[dict]:
     case = f"{recipe_name}, FP8 params + FusedAdam"
     final = {v: values[-1] for v, values in losses.items()}
@@ -213,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         times = step_times(recipe_name, args.timed)
         result["rows"] += rows_for(recipe_name, losses, times, step_task_seconds(recipe_name))
         result["series"].append(series_for(recipe_name, losses))
+        if args.profile:
+            result["tables"] += profile_tables(recipe_name)
         result["samples"].append({"recipe": recipe_name, "losses": losses, "times_s": times})
         if not args.quiet:
             print(f"{recipe_name}: final loss stock {losses['stock'][-1]:.4f}, reference "
