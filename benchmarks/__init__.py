@@ -19,7 +19,7 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``moe_memory`` | 1 or 2 GPUs, FSDP2 and unsharded | MoE expert stacks of ``te.GroupedLinear`` (8 and 64 experts): memory per block, held, peak, after backward and step, stock/drop-in/bf16 per recipe, 1 and 4 microbatches; unsharded with ``LeanWorkspacePolicy``; paired step time with a control |
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
 | ``ops_memory`` | 1 or 2 GPUs, FSDP2 | te.ops (issue 28): the ``te.ops.Linear`` stack and a ``te.ops.Sequential`` MLP, stock/drop-in/bf16 and the ``te.Linear`` stack: per-block forward rise, peak, losses, step time with a stock control |
-| ``fp8_params`` | 1 GPU, no FSDP | TE's FP8-parameter flow (``quantized_model_init`` + FusedAdam): loss per step of stock, the stale-free reference, the drop-in and bf16; the drop-in equals the reference; paired step time with a control (D12) |
+| ``fp8_params`` | 1 GPU, no FSDP | TE's FP8-parameter flow (``quantized_model_init`` + FusedAdam): loss per step of stock, the stale-free reference, the drop-in and bf16; the drop-in equals the reference; paired step time with a control, the step task timed alone (D12) |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
 
