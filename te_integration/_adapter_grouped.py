@@ -44,7 +44,7 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-from ._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
+from ._call import ACTIVE, GATHERED_WEIGHT, CallPart, is_distributed, recompute_pass
 from ._freshness import refresh_experts
 from ._functions import ModuleAdapter
 from ._plan_support import plan_refusal
@@ -54,7 +54,7 @@ from ._release import BackwardWork
 from ._saved_tensors import rowwise_parts
 from ._state import ModuleKind
 
-__all__ = ["GROUPED_LINEAR", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
+__all__ = ["GROUPED_LINEAR", "ExpertCall", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
 
 _GROUPED = ModuleKind.GROUPED_LINEAR
 _A = te.GROUPED_ARGS
@@ -89,10 +89,27 @@ def _begin(ctx, args: tuple):
     if levers.is_quantized_param and len(experts) > 1:
         refresh_experts(experts[1:])  # the first was checked by levers() (D12)
     # Every tensor TE quantizes in this call is one of its experts.
-    record.weights, record.experts = (GATHERED_WEIGHT, levers), experts
+    record.weights = (GATHERED_WEIGHT, levers)
     # A distributed weight's slots are TE's own (it saves None and gathers again).
-    record.saves_weights = levers.saves_no_workspace and not distributed
+    part = record.part = ExpertCall()  # fields set here: an __init__ would be one call more per module call
+    part.experts, part.index, part.saves_weights = experts, 0, levers.saves_no_workspace and not distributed
     return record, args
+
+
+class ExpertCall(CallPart):
+    """A GroupedLinear call's own data (:attr:`CallRecord.part`), set by ``_begin``."""
+
+    __slots__ = ("experts", "index", "saves_weights")
+
+    #: The call's expert weights (one grouped weight, or one per expert),
+    #: planned together under one key and cached under one key each.
+    experts: tuple
+    #: The expert ``quantize_weight`` is expected to see next (TE quantizes
+    #: them in order), for the per-expert cache keys.
+    index: int
+    #: TE's saving helper gets the experts' high-precision weights in the
+    #: slots of their workspaces (the plan saves no workspace).
+    saves_weights: bool
 
 
 def _refuse_derived(levers) -> None:
@@ -106,14 +123,14 @@ def _refuse_derived(levers) -> None:
 
 
 def _edit_ctx(ctx, record, args: tuple) -> None:
-    levers = record.weights[1]
+    levers, part = record.weights[1], record.part
     rebuild = None
-    if record.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
+    if part.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
         rebuild = _Rebuild(args[2][_QUANTIZERS], levers.plan.backward_usage)
     if not levers.releases and rebuild is None:
         ctx._te_wm_backward = None
         return
-    experts = record.experts
+    experts = part.experts
     keys = ()
     if levers.release_cache:
         keys = ("weight",) if args[2][_SINGLE] else expert_keys(len(experts))
@@ -165,8 +182,9 @@ def managed_prepare_for_saving(*tensors):
     """TE's ``prepare_for_saving``, with the experts' high-precision weights
     in their workspaces' slots where the plan saves no workspace."""
     record = ACTIVE.record
-    if record is not None and record.saves_weights and record.kind is _GROUPED:
-        tensors = _weights_in_workspace_slots(tensors, record.experts, record.module.num_gemms)
+    part = record.part if record is not None else None
+    if type(part) is ExpertCall and part.saves_weights:  # a record of another kind passes (te.ops's, say)
+        tensors = _weights_in_workspace_slots(tensors, part.experts, record.module.num_gemms)
     return te.prepare_for_saving(*tensors)
 
 

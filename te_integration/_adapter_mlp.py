@@ -25,7 +25,7 @@ import threading
 from workspace_manager import RecomputePass, RecomputeScope
 
 from . import _compat as te
-from ._call import ACTIVE, new_record, recompute_pass
+from ._call import ACTIVE, CallPart, new_record, recompute_pass
 from ._functions import ModuleAdapter
 from ._release import BackwardWork, backward_work
 from ._state import ModuleKind
@@ -71,14 +71,26 @@ def _begin(ctx, args: tuple):
     weights = record.weights = (fc1_weight, fc1, fc2_weight, fc2)
     fc1_saves_none, fc2_saves_none = weights[1].saves_no_workspace, weights[3].saves_no_workspace
     if fc1_saves_none is not fc2_saves_none:
-        record.dropped = []
+        record.part = SplitCall()
     if record.pushed_by_seam:
         ACTIVE.record = record
-    if record.dropped is not None or (record.pushed_by_seam and (fc1_saves_none or fc2_saves_none)):
+    if record.part is not None or (record.pushed_by_seam and (fc1_saves_none or fc2_saves_none)):
         record.run = _run  # a split call, or an own recompute handing backward a rebuild
     switch = _ARGS["is_fsdp2"]
     nta = nta[:switch] + (fc1_saves_none and fc2_saves_none,) + nta[switch + 1:]
     return record, args[:9] + (nta,)
+
+
+class SplitCall(CallPart):
+    """A LayerNormMLP call with FC1 and FC2 planned to save differently
+    (:attr:`CallRecord.part`): the workspaces of the weight backward
+    rebuilds, which the ``quantize_weight`` seam collects here and
+    :func:`_forward_split` hands to TE's saving helper as None."""
+
+    __slots__ = ("dropped",)
+
+    def __init__(self) -> None:
+        self.dropped = []
 
 
 def _passes(nta: tuple) -> tuple:
@@ -96,7 +108,7 @@ def _passes(nta: tuple) -> tuple:
 
 
 def _run(record, te_method, ctx, args: tuple):
-    out = te_method(ctx, *args) if record.dropped is None else _forward_split(record, te_method, ctx, args)
+    out = te_method(ctx, *args) if record.part is None else _forward_split(record, te_method, ctx, args)
     weights = record.weights
     if record.pushed_by_seam and (weights[1].saves_no_workspace or weights[3].saves_no_workspace):
         return _rebuild_in_backward(out, weights)
@@ -106,13 +118,13 @@ def _run(record, te_method, ctx, args: tuple):
 def _forward_split(record, te_method, ctx, args: tuple):
     """TE's ``_forward`` for FC1 and FC2 planned to save differently: run
     with TE's switch off while the workspaces of the weight backward
-    rebuilds (collected in ``record.dropped`` by the ``quantize_weight``
+    rebuilds (collected in the call's :class:`SplitCall` by the ``quantize_weight``
     seam) are handed to ``prepare_for_saving`` as None. The name is swapped
     in ``layernorm_mlp.py``'s globals for this call only. Another module's
     call on another thread meanwhile passes through the swap unchanged (it
     replaces only this call's workspaces); another such split call waits
     for this one, so that neither puts TE's name back under the other."""
-    dropped = record.dropped
+    dropped = record.part.dropped
     with _SPLIT_LOCK:
         original = te.lnmlp_module.prepare_for_saving
 

@@ -40,7 +40,7 @@ from workspace_manager import BackwardOverride, BackwardSource, RecomputePass, R
 from . import _attribution
 from . import _compat as te
 from . import _compat_ops as te_ops
-from ._call import ACTIVE, CallRecord, recompute_pass
+from ._call import ACTIVE, CallRecord, new_record, recompute_pass
 from ._foreign_patches import SeamedName
 from ._plan_support import UnsupportedPlanError
 from ._plan_support_ops import ops_unsupported_reason
@@ -167,12 +167,7 @@ def _open(fuser) -> list:
             continue
         state = state_of(op)
         probe = state.probe(op)
-        record = CallRecord()
-        record.module, record.state, record.kind, record.sharding = op, state, state.kind, probe.read()
-        record.previous, record.weights, record.pending = ACTIVE.record, (), None
-        record.rowwise_parts = record.dropped = record.run = None
-        record.pushed_by_seam = True
-        ACTIVE.record = record
+        record = ACTIVE.record = new_record(op, state, probe.read(), ACTIVE.record, pushed_by_seam=True)
         opened.append((index, record))
     return opened
 

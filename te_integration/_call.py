@@ -27,17 +27,38 @@ from workspace_manager import RecomputePass, Sharding
 
 from . import _compat as te
 
-__all__ = ["ACTIVE", "CallRecord", "GATHERED_WEIGHT", "recompute_pass", "is_distributed", "refuse_reentry"]
+__all__ = ["ACTIVE", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass", "is_distributed",
+           "refuse_reentry"]
+
+
+class CallPart:
+    """A module kind's own data for one call (:attr:`CallRecord.part`).
+
+    A kind that needs more than the shared fields subclasses it in its own
+    file; the shared seams read only the two fields below, which are None
+    unless the kind sets them, so a record of any kind answers them."""
+
+    __slots__ = ()
+
+    #: The call's weights that are quantized one by one under their own
+    #: cache keys (GroupedLinear's experts), or None.
+    experts: tuple | None = None
+    #: Workspaces the ``quantize_weight`` seam collects for the kind
+    #: (LayerNormMLP with FC1 and FC2 planned to save differently), or None.
+    dropped: list | None = None
 
 
 class CallRecord:
     """One drop-in module call, from its ``prepare_forward`` to its ``end_forward``.
 
-    The hot paths make it with ``CallRecord()`` and set every field in
-    place (a Python ``__init__`` would be one call more per module call)."""
+    Only what every kind shares; a kind's own data is :attr:`part`.
+    :func:`new_record` sets every field; ``_modules.prepare_forward``, the
+    hot path, sets the same fields inline (a Python ``__init__`` would be one
+    call more per module call), and ``tests/unit/test_call_record.py``
+    checks that both leave no field unset."""
 
     __slots__ = ("module", "state", "kind", "sharding", "previous", "weights", "pending", "rowwise_parts",
-                 "dropped", "pushed_by_seam", "run", "experts", "expert_index", "saves_weights")
+                 "pushed_by_seam", "run", "part")
 
     #: The drop-in module, its :class:`~te_integration._state.ModuleWorkspaceState` and :class:`ModuleKind`.
     module: Any
@@ -55,35 +76,23 @@ class CallRecord:
     #: Rowwise tensors of fresh workspaces that backward will not read (to
     #: leave out of what the ctx saves, see ``_saved_tensors``); or None.
     rowwise_parts: list | None
-    #: LayerNormMLP with FC1 and FC2 planned to save differently: the
-    #: workspaces of this call that backward must not get; or None.
-    dropped: list | None
     #: Pushed by a Function seam rather than by ``prepare_forward`` (the
-    #: module's own recompute in backward), and so popped by it.
+    #: module's own recompute in backward, te.ops's fuser call), and so popped by it.
     pushed_by_seam: bool
     #: ``run(record, te_method, ctx, args)`` where running TE's method is more
     #: than calling it for this call (set by the adapter's ``begin``); or None.
     run: Any
-    #: GroupedLinear: the call's expert weights (one grouped weight, or one
-    #: per expert), planned together under one key; None for other kinds.
-    experts: tuple | None
-    #: GroupedLinear: the expert ``quantize_weight`` is expected to see next
-    #: (TE quantizes them in order), for per-expert cache keys.
-    expert_index: int
-    #: GroupedLinear: TE's saving helper gets the experts' high-precision
-    #: weights in the slots of their workspaces (the plan saves no workspace).
-    saves_weights: bool
+    #: The kind's own data for this call (a :class:`CallPart`), or None.
+    part: CallPart | None
 
 
 def new_record(module: Any, state: Any, sharding: Sharding, previous: CallRecord | None,
                pushed_by_seam: bool = False) -> CallRecord:
-    """A record with every field set (for the paths that are not per call)."""
+    """A record with every field set (for the paths that are not per module call)."""
     record = CallRecord()
     record.module, record.state, record.kind, record.sharding = module, state, state.kind, sharding
-    record.previous, record.weights, record.pending = previous, (), None
-    record.rowwise_parts = record.dropped = record.run = record.experts = None
-    record.pushed_by_seam = pushed_by_seam
-    record.expert_index, record.saves_weights = 0, False
+    record.previous, record.weights, record.pending, record.rowwise_parts = previous, (), None, None
+    record.pushed_by_seam, record.run, record.part = pushed_by_seam, None, None
     return record
 
 

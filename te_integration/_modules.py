@@ -95,9 +95,8 @@ class _ManagedModule(ManagedCommon):
         record = CallRecord()
         record.module, record.state, record.kind, record.sharding, record.previous = self, state, state.kind, \
             sharding, below
-        record.weights, record.pending, record.rowwise_parts, record.dropped, record.run = (), None, None, None, None
-        record.pushed_by_seam = record.saves_weights = False
-        record.experts, record.expert_index = None, 0
+        record.weights, record.pending, record.rowwise_parts, record.run, record.part = (), None, None, None, None
+        record.pushed_by_seam = False
         self.__dict__["is_fsdp2"] = probe.is_fsdp2
         ACTIVE.record = record
         return inp

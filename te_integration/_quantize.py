@@ -51,7 +51,8 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         return out, new
     # A GroupedLinear call plans its experts under one key; each expert's
     # cache entry and attribution has its own (found only where needed).
-    key = levers.key if record.experts is None else None
+    part = record.part
+    key = levers.key if part is None or part.experts is None else None
     if levers.cache is not CacheAction.BYPASS:
         key = key or expert_key(record, tensor)
         out, hit = _cached_quantize(record, levers, key, tensor, quantizer, skip_update_flag, workspace_dtype)
@@ -64,8 +65,8 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         # Made here, the seam's frame takes the place of TE's instead of adding
         # one: a GroupedLinear call adds no Python frame per expert.
         out = quantizer.quantize(tensor, dtype=workspace_dtype)
-    if levers.saves_no_workspace and record.dropped is not None:  # FC1 and FC2 save differently
-        record.dropped.append(out)
+    if levers.saves_no_workspace and part is not None and part.dropped is not None:  # FC1, FC2 save differently
+        part.dropped.append(out)
     if levers.saves_columnwise_only and not hit:  # a fresh workspace (a cache entry keeps what it holds)
         # Found now: TE's prepare_for_saving empties the storage before its
         # forward returns (see _saved_tensors). Per-tensor FP8 is spelled
@@ -99,10 +100,11 @@ def expert_key(record: CallRecord, tensor) -> str:
     ``weight0``, ``weight1``, ...). TE quantizes the experts in order, so the
     expected one is checked first; a gathered ``DistributedWeight`` is none
     of the call's tensors, and takes the expected position."""
-    experts, index = record.experts, record.expert_index
+    part = record.part
+    experts, index = part.experts, part.index
     if index >= len(experts) or experts[index] is not tensor:
         index = next((i for i, weight in enumerate(experts) if weight is tensor), index)
-    record.expert_index = index + 1
+    part.index = index + 1
     return _EXPERT_KEYS[index] if index < len(_EXPERT_KEYS) else _more_expert_keys(index)
 
 

@@ -379,7 +379,7 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     assert saved == [[None, None, fc1_w, None, made[1], fc2_w]]  # ...but gets None for FC1's workspace
     assert [m.source for m in made] == [fc1_w, fc2_w]
     assert lnmlp_module.prepare_for_saving is original  # put back
-    assert record.dropped == [made[0]]  # the call's record held FC1's workspace, the one backward rebuilds
+    assert record.part.dropped == [made[0]]  # the call's record held FC1's workspace, the one backward rebuilds
 
 
 def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_own_rebuilt_weight(binding,

@@ -227,3 +227,28 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
         assert rules.ops_unsupported_reason(planned.context, planned.plan) is None, (name, planned.context)
         checked += 1
     assert checked > 1000
+
+
+def test_a_stock_grouped_linear_inside_a_te_ops_call_saves_as_te_does(ti, monkeypatch):
+    """A stock te.GroupedLinear called inside a te.ops fuser call (an MoE
+    block written as an op) finds the op's record on top of the stack: the
+    grouped saving seam must leave its call to TE, whatever the record of
+    another kind holds (it once read a GroupedLinear field that te.ops
+    records never set: an AttributeError)."""
+    import _fake_te_grouped as grouped
+
+    managed = _model("alone")
+    ti.modules.convert_model(managed)
+    saved = []
+    te_op_forward = type(managed).op_forward
+
+    def op_forward(self, ctx, input_, **kwargs):
+        assert ti.call.ACTIVE.record is not None and ti.call.ACTIVE.record.module is self
+        saved.append(grouped._file().prepare_for_saving(input_.detach()))  # what TE's grouped forward calls
+        return te_op_forward(self, ctx, input_, **kwargs)
+
+    monkeypatch.setattr(type(managed), "op_forward", op_forward)
+    _step(managed)
+    assert grouped._file().prepare_for_saving.__module__ == "te_integration._adapter_grouped"  # the seam ran
+    (tensors, objects), = saved
+    assert len(tensors) == 1 and objects == [None]  # TE's own result for one plain tensor
