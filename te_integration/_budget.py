@@ -34,7 +34,7 @@ from workspace_manager import KeepForBackwardWorkspacePolicy, PolicyMismatchErro
 from . import _argument_checks as checks
 from . import _compat as te
 from ._modules import _ManagedModule, set_workspace_policy, workspace_state
-from ._state import ModuleKind
+from ._kinds import entry_for
 
 __all__ = ["apply_workspace_budget", "WorkspaceBudget", "BudgetEntry", "BudgetChoice"]
 
@@ -223,8 +223,5 @@ def _copy_bytes(module: torch.nn.Module) -> int:
 
 
 def _weight_names(module: torch.nn.Module) -> tuple[str, ...]:
-    """The parameters TE quantizes as GEMM weights (TE's ``weight_names``,
-    or LayerNormMLP's two)."""
-    if module._wm_kind is ModuleKind.LAYERNORM_MLP:
-        return ("fc1_weight", "fc2_weight")
-    return tuple(getattr(module, "weight_names", None) or ("weight",))
+    """The parameters TE quantizes as GEMM weights, as the module's kind says (``_kinds``)."""
+    return entry_for(module._wm_kind).gemm_weights(module)

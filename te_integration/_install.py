@@ -1,9 +1,10 @@
 """Putting the seams into TE's module files, once per process, and taking them out.
 
-The seamed names are, for each module kind's adapter, ``quantize_weight``
-and the autograd Function in its TE module file (``_quantize`` and
-``_functions``), and the further globals the adapter names (GroupedLinear's
-saving pair, ``_adapter_grouped``). Stock TE modules and the calls TE handles itself run TE's
+The seamed names are what each registered kind lists (``_kinds``): for a TE
+module kind, ``quantize_weight`` and the autograd Function in its TE module
+file (``_quantize`` and ``_functions``), and the further globals its adapter
+names (GroupedLinear's saving pair, ``_adapter_grouped``); for te.ops, the
+fuser Function and ``BasicLinear``'s two functional methods (``_adapter_ops``). Stock TE modules and the calls TE handles itself run TE's
 code through them unchanged. Install refuses, changing nothing, while
 another library's patch holds one of those names (``_foreign_patches``).
 """
@@ -13,14 +14,14 @@ from __future__ import annotations
 import threading
 
 from . import _compat as te
-from ._adapter_ops import ops_seamed_names
 from ._adapters import ADAPTERS
 from ._call import ACTIVE
 from ._foreign_patches import ForeignPatchError, SeamedName, foreign_patches, in_place, refuse_foreign_patches
 from ._functions import seam_function
+from ._kinds import entries
 from ._quantize import managed_quantize_weight
 
-__all__ = ["install", "uninstall", "SEAM_FUNCTIONS"]
+__all__ = ["install", "uninstall", "module_seams", "SEAM_FUNCTIONS"]
 
 #: Each module kind's Function seam, by kind.
 SEAM_FUNCTIONS = {adapter.kind: seam_function(adapter) for adapter in ADAPTERS}
@@ -36,18 +37,29 @@ _REPLACED: dict[tuple[int, str], object] = {}
 INSTALLED = False
 
 
-def _seamed_names() -> tuple[SeamedName, ...]:
-    """The names install replaces, with TE's own definition of each."""
+def module_seams(adapter) -> tuple[SeamedName, ...]:
+    """The names install replaces for a TE module kind: ``quantize_weight``
+    and the autograd Function in its module file, and the further globals
+    its adapter names."""
+    file, name = adapter.file, adapter.function_name
     qw = f"{te.base_module.__name__}.quantize_weight"
-    names = []
-    for adapter in ADAPTERS:
-        file, name = adapter.file, adapter.function_name
-        names.append(SeamedName(file, "quantize_weight", qw, managed_quantize_weight))
-        names.append(SeamedName(file, name, f"{file.__name__}.{name}", SEAM_FUNCTIONS[adapter.kind],
-                                adapter.function))
-        names.extend(SeamedName(file, global_name, f"{theirs.__module__}.{theirs.__qualname__}", ours)
-                     for global_name, theirs, ours in adapter.module_globals)
-    return tuple(names) + ops_seamed_names()
+    return (SeamedName(file, "quantize_weight", qw, managed_quantize_weight),
+            SeamedName(file, name, f"{file.__name__}.{name}", SEAM_FUNCTIONS[adapter.kind], adapter.function),
+            *(SeamedName(file, global_name, f"{theirs.__module__}.{theirs.__qualname__}", ours)
+              for global_name, theirs, ours in adapter.module_globals))
+
+
+def _seamed_names() -> tuple[SeamedName, ...]:
+    """The names install replaces, every registered kind's, each once."""
+    from . import _modules  # noqa: F401  (the kinds register with their drop-in classes there)
+
+    names, seen = [], set()
+    for entry in entries():
+        for seamed in entry.seams():
+            if (id(seamed.module), seamed.name) not in seen:
+                seen.add((id(seamed.module), seamed.name))
+                names.append(seamed)
+    return tuple(names)
 
 
 def install() -> None:

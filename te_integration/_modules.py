@@ -12,6 +12,7 @@ stock and drop-in modules.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -25,7 +26,8 @@ from . import _install
 from ._adapters import ADAPTERS
 from ._call import ACTIVE, CallRecord, refuse_reentry
 from ._managed_common import ManagedCommon
-from ._modules_ops import OPS_DROP_INS, ManagedOp
+from ._kinds import KindEntry, drop_ins, gemm_weight_names, register
+from ._modules_ops import ManagedOp
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
 __all__ = [
@@ -146,16 +148,26 @@ class GroupedLinear(_ManagedModule, te.TEGroupedLinear):
     _wm_kind = ModuleKind.GROUPED_LINEAR
 
 
-#: TE's class -> its drop-in, for every module kind's adapter.
-_DROP_INS: dict[type, type] = {
-    adapter.te_class: drop_in for adapter in ADAPTERS
-    for drop_in in (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) if drop_in._wm_kind is adapter.kind
-}
-if len(_DROP_INS) != len(ADAPTERS):
-    raise ImportError("te_integration: a module kind's adapter has no drop-in class")
-_DROP_INS.update(OPS_DROP_INS)  # te.ops's weight-bearing ops (_modules_ops)
+def _register_module_kinds() -> None:
+    """One registry entry per TE module kind (``_kinds``), from its adapter."""
+    for drop_in in (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear):
+        adapter = next((a for a in ADAPTERS if a.kind is drop_in._wm_kind), None)
+        if adapter is None:
+            raise ImportError(f"te_integration: the drop-in {drop_in.__name__} has no adapter for {drop_in._wm_kind}")
+        register(KindEntry(kind=adapter.kind, te_class=adapter.te_class, drop_in=drop_in,
+                           seams=functools.partial(_install.module_seams, adapter), construction=adapter.construction,
+                           gemm_weights=_gemm_weights_of(adapter)))
+
+
+def _gemm_weights_of(adapter) -> Callable[[Any], tuple[str, ...]]:
+    # LayerNormMLP keeps no ``weight_names``: its two GEMM weights are its plan keys.
+    if len(adapter.weight_keys) > 1:
+        return lambda module, keys=adapter.weight_keys: keys
+    return gemm_weight_names
+
+
+_register_module_kinds()
 _CONVERTED: dict[type, type] = {}
-_TE_CLASSES = tuple(_DROP_INS)
 #: The mixins of every drop-in: the modules' and te.ops's.
 _MANAGED = (_ManagedModule, ManagedOp)
 
@@ -165,9 +177,10 @@ def _managed_class_for(cls: type) -> type | None:
     ``Managed<cls>`` for third-party subclasses of them, None otherwise."""
     if issubclass(cls, _MANAGED):
         return None
-    if cls in _DROP_INS:
-        return _DROP_INS[cls]
-    for te_cls, ours in _DROP_INS.items():
+    table = drop_ins()  # every registered kind's (te.ops's register in _modules_ops)
+    if cls in table:
+        return table[cls]
+    for te_cls, ours in table.items():
         if issubclass(cls, te_cls):
             if cls not in _CONVERTED:
                 mixin = ManagedOp if issubclass(ours, ManagedOp) else _ManagedModule
@@ -250,7 +263,7 @@ def last_plans(module: torch.nn.Module) -> dict:
     """``{weight key: (context, plan)}`` of the module's latest managed call,
     for reviewers asking why a workspace is alive. A stock TE module, or a
     drop-in that has not run a managed call, has none: ``{}``."""
-    checks.expect_te_module("last_plans", "module", module, _TE_CLASSES,
+    checks.expect_te_module("last_plans", "module", module, tuple(drop_ins()),
                            "For a whole model: {name: last_plans(m) for name, m in model.named_modules() ...}.")
     state = module._wm_state if isinstance(module, _MANAGED) else None
     return state.last_plans() if state is not None else {}

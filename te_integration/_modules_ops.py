@@ -19,12 +19,13 @@ from typing import Any, ClassVar
 
 from . import _compat_ops as te_ops
 from . import _install
-from ._adapter_ops import check_levers
+from ._adapter_ops import check_levers, ops_seamed_names
 from ._adapter_ops_grouped import grouped_before_backward, grouped_forward
+from ._kinds import KindEntry, register
 from ._managed_common import ManagedCommon
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
-__all__ = ["OpsBasicLinear", "OpsGroupedLinear", "OpsLinear", "OPS_DROP_INS", "OPS_CONSTRUCTION", "ManagedOp"]
+__all__ = ["OpsBasicLinear", "OpsGroupedLinear", "OpsLinear", "ManagedOp"]
 
 
 class ManagedOp(ManagedCommon):
@@ -81,10 +82,12 @@ class OpsLinear(te_ops.OpsLinear):
                 op.__class__ = OpsBasicLinear
 
 
-#: TE's op class -> its drop-in (what ``convert_model`` swaps).
-OPS_DROP_INS: dict[type, type] = {te_ops.BasicLinear: OpsBasicLinear, te_ops.GroupedLinear: OpsGroupedLinear}
-#: ``(TE module, name, drop-in)`` that ``managed_construction`` rebinds: the
-#: name ``te.ops.Linear`` builds its op from, and the public ``te.ops.BasicLinear``.
-OPS_CONSTRUCTION = ((te_ops.ops_linear_module, "BasicLinear", OpsBasicLinear),
-                    (te_ops.ops_package, "BasicLinear", OpsBasicLinear),
-                    (te_ops.ops_package, "GroupedLinear", OpsGroupedLinear))
+# Both ops are carried out by the same seams (``ops_seamed_names``): the
+# fuser Function's and BasicLinear's functional methods (install takes each
+# name once). ``te.ops.Linear`` builds its op from the name in its module
+# file; the public names are ``te.ops.BasicLinear`` and ``te.ops.GroupedLinear``.
+register(KindEntry(kind=ModuleKind.OPS_BASIC_LINEAR, te_class=te_ops.BasicLinear, drop_in=OpsBasicLinear,
+                   seams=ops_seamed_names,
+                   construction=((te_ops.ops_linear_module, "BasicLinear"), (te_ops.ops_package, "BasicLinear"))))
+register(KindEntry(kind=ModuleKind.OPS_GROUPED_LINEAR, te_class=te_ops.GroupedLinear, drop_in=OpsGroupedLinear,
+                   seams=ops_seamed_names, construction=((te_ops.ops_package, "GroupedLinear"),)))
