@@ -33,7 +33,6 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-from . import _compat_ops as te_ops
 from ._step_hook import add_step_task, ensure_hook
 from ._argument_checks import expect_bool, expect_module
 
@@ -49,8 +48,6 @@ LEDGER = WorkspaceLedger(allocated=_allocated)
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The TE module whose forward is running (set by the recording's hooks).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("te_wm_observed_module", default=None)
-_TE_MODULES = (te.TELinear, te.TELayerNormLinear, te.TELayerNormMLP, te.TEGroupedLinear, te_ops.BasicLinear,
-               te_ops.GroupedLinear)
 
 
 def _name(module: Any) -> str:
@@ -152,7 +149,12 @@ def _sharding(module: Any) -> Any:
 
 
 def te_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _TE_MODULES)]
+    """``(path, module)`` of every module of ``model`` that is an instance
+    of a registered kind's TE class (stock or drop-in: drop-ins subclass it)."""
+    from ._kinds import entries  # the registry imports the runtime, which imports this module
+
+    classes = tuple(entry.te_class for entry in entries())
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
 
 
 def workspace_report(model: torch.nn.Module) -> WorkspaceReport:

@@ -42,7 +42,12 @@ def attribution(monkeypatch):
         "TELayerNormMLP": type("_TELayerNormMLP", (torch.nn.Module,), {}),
         "TEGroupedLinear": type("_TEGroupedLinear", (torch.nn.Module,), {}),
     }
-    loaded = load_binding(monkeypatch, compat, "_attribution", "_state", "_levers")
+    loaded = load_binding(monkeypatch, compat, "_attribution", "_state", "_levers", "_kinds")
+    kinds, kind = loaded["_kinds"], loaded["_state"].ModuleKind
+    # Attribution finds TE modules through the kind registry (the drop-in files fill it).
+    for member, name in ((kind.LINEAR, "TELinear"), (kind.LAYERNORM_LINEAR, "TELayerNormLinear"),
+                         (kind.LAYERNORM_MLP, "TELayerNormMLP"), (kind.GROUPED_LINEAR, "TEGroupedLinear")):
+        kinds.register(kinds.KindEntry(member, compat[name], type(f"Managed{name}", (compat[name],), {}), tuple))
     loaded["_attribution"].state_module = loaded["_state"]
     loaded["_attribution"].levers_module = loaded["_levers"]
     return loaded["_attribution"]

@@ -35,10 +35,17 @@ def test_conversion_install_and_construction_take_their_lists_from_the_registry(
     listed = [(id(s.module), s.name) for e in ti.kinds.entries() for s in e.seams()]
     assert sorted(set(listed)) == sorted((id(s.module), s.name) for s in names)  # te.ops's shared seams once
     assert len(names) == len(set(listed)) < len(listed)
-    # A kind's entry is the one place conversion looks: without it, its TE class is not converted.
+    # A kind's entry is the one place conversion and attribution look: without it, its TE class
+    # is neither converted nor inspected.
+    from _fake_te import TELinear
+
+    attribution = __import__("sys").modules["te_integration._attribution"]
+    model = TELinear(8, 8)
+    assert [m for _, m in attribution.te_modules(model)] == [model]
     entry = next(e for e in ti.kinds.entries() if e.kind is ti.state.ModuleKind.LINEAR)
     monkeypatch.delitem(ti.kinds._ENTRIES, entry.kind)
     assert ti.modules._managed_class_for(entry.te_class) is None
+    assert attribution.te_modules(model) == []
 
 
 def test_the_budget_counts_each_kinds_gemm_weights(ti):
