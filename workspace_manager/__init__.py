@@ -66,8 +66,6 @@ from ._registry import (
 )
 from ._selection import (
     POLICY_NAMES,
-    CallShape,
-    PlannedCall,
     named_policy,
     plan_call,
     resolve_policy,
@@ -105,8 +103,6 @@ __all__ = [
     "select_policy",
     "resolve_policy",
     "plan_call",
-    "CallShape",
-    "PlannedCall",
     "named_policy",
     "POLICY_NAMES",
     # attribution: who holds which quantized bytes, and why

@@ -76,7 +76,7 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
 Bindings cite this note by its title where they act on a plan.
 
 Which policy plans a call (``select_policy``, ``resolve_policy``) and the
-bindings' memoized path (``plan_call``) live in ``_selection.py``; plan
+bindings' path to a plan (``plan_call``) live in ``_selection.py``; plan
 notes, which are presentation, in ``_notes.py``.
 """
 
@@ -626,7 +626,7 @@ def recompute_pass_plan(ctx: WorkspaceContext, inner_plan: WorkspacePlan, recomp
         # position, so this pass must save exactly what that pass saves.
         # Only the cache action is its own (it may fill what the recompute
         # pass then reads). Both passes share one inner plan.
-        replay = _pass_plan(replace(ctx, recompute=RecomputePass.RECOMPUTE), inner_plan, recompute_copy)
+        replay = _pass_plan(ctx.as_recompute_pass(), inner_plan, recompute_copy)
         return _assemble(
             ctx, _pass_cache(ctx, inner_plan), replay.forward_usage, replay.backward_source,
             replay.columnwise_source, replay.release, replay.parameter_keeps,

@@ -63,12 +63,13 @@ def test_an_option_must_be_a_member_of_its_enum(make):
         make()
 
 
-def test_policies_with_other_options_are_other_keys_of_the_plan_memo():
-    """Bindings memoize plans per (pinned policy, call shape)."""
+def test_policies_with_other_options_are_other_policies():
+    """A binding's memo is per module and emptied when its pinned policy
+    changes; a policy with an option on is another value, and plans otherwise."""
     assert CACHE != FSDP2 and hash(CACHE) != hash(FSDP2)
-    shape = wm.CallShape(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=Microbatch.FIRST)
-    assert plan_call(FSDP2, shape).plan.cache is CacheAction.BYPASS
-    assert plan_call(CACHE, shape).plan.cache is CacheAction.FILL
+    ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=Microbatch.FIRST)
+    assert plan_call(ctx, FSDP2).cache is CacheAction.BYPASS
+    assert plan_call(ctx, CACHE).cache is CacheAction.FILL
 
 
 def _caches(ctx: WorkspaceContext) -> bool:

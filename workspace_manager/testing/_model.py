@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .._context import QuantizerCapabilities, RecomputePass, Sharding, WeightSource, WorkspaceContext
 from .._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
@@ -254,8 +254,7 @@ class ModuleRuntime:
         pending = self.pending.pop()
         if pending.ctx.recompute is RecomputePass.FIRST:
             # te.checkpoint: replay the forward, then run its backward at once.
-            replay = replace_recompute(pending.ctx)
-            self.forward(replay)
+            self.forward(pending.ctx.as_recompute_pass())
             return self.backward()
         self._run_backward(pending)
         return pending.plan
@@ -470,7 +469,3 @@ class ModuleRuntime:
             ids.add(self.cache.ident)
         return ids
 
-
-def replace_recompute(ctx: WorkspaceContext) -> WorkspaceContext:
-    """The recompute-pass context that replays a first-pass call."""
-    return replace(ctx, recompute=RecomputePass.RECOMPUTE, grad_enabled=True)

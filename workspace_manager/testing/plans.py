@@ -124,7 +124,7 @@ class PickedPlans:
 def replay_context(ctx: WorkspaceContext) -> WorkspaceContext | None:
     """The recompute pass a non-reentrant first pass must save like, or None."""
     if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
-        return replace(ctx, recompute=RecomputePass.RECOMPUTE)
+        return ctx.as_recompute_pass()
     return None
 
 
