@@ -29,6 +29,7 @@ from typing import Any
 from workspace_manager import (
     BackwardOverride,
     Microbatch,
+    Policy,
     RecomputePass,
     RecomputeScope,
     Sharding,
@@ -36,7 +37,6 @@ from workspace_manager import (
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
-    WorkspacePolicy,
     default_registry,
     plan_call,
     probe_fsdp2_sharding,
@@ -84,7 +84,7 @@ class ModuleWorkspaceState:
     __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_instance_keys",
                  "_last", "filled", "_rebuilders")
 
-    def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
+    def __init__(self, kind: ModuleKind, policy: Policy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
         """``probe``: how to read the module's sharding (default: made from
         FSDP2's state at the first call); anything with ``read()``,
@@ -128,11 +128,11 @@ class ModuleWorkspaceState:
 
     # -- policy -----------------------------------------------------------------
     @property
-    def policy(self) -> WorkspacePolicy | None:
+    def policy(self) -> Policy | None:
         return self._policy
 
     @policy.setter
-    def policy(self, policy: WorkspacePolicy | None) -> None:
+    def policy(self, policy: Policy | None) -> None:
         self._policy = policy
         self._memo.clear()
 

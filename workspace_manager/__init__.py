@@ -1,6 +1,6 @@
 """workspace_manager: explicit decisions about quantized weight workspaces.
 
-A :class:`WorkspacePolicy` turns a :class:`WorkspaceContext` (one module
+A :class:`Policy` turns a :class:`WorkspaceContext` (one module
 call) into a :class:`WorkspacePlan` (cache, forward usage, what backward
 gets, what is released). The package never imports TransformerEngine; the
 ``te_integration`` package binds it to TE's modules.
@@ -52,6 +52,7 @@ from ._policy import (
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     MicrobatchCache,
+    Policy,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -91,7 +92,8 @@ __all__ = [
     "BackwardSource",
     "ColumnwiseSource",
     "Release",
-    # policies
+    # policies: what every policy provides, then the shipped ones
+    "Policy",
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "LeanWorkspacePolicy",

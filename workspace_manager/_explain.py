@@ -81,7 +81,9 @@ def _contexts(policy, capabilities: QuantizerCapabilities, full: bool) -> Iterat
     grad x microbatch (and, with ``full``, dgrad and backward_override)."""
     from ._context import BackwardOverride, valid_contexts
 
-    passes = [RecomputePass.FIRST, RecomputePass.RECOMPUTE] if policy.label == "recompute" else [RecomputePass.NONE]
+    # A policy of recompute passes plans the other calls as its inner policy
+    # does, which that policy's own table shows: its table shows the passes.
+    passes = sorted(policy.recompute_passes - {RecomputePass.NONE}, key=list(RecomputePass).index) or [RecomputePass.NONE]
     return valid_contexts(
         capabilities,
         shardings=sorted(policy.shardings, key=lambda s: list(Sharding).index(s)),

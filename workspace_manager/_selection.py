@@ -16,6 +16,7 @@ from ._policy import (
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     MicrobatchCache,
+    Policy,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -27,7 +28,7 @@ __all__ = ["select_policy", "resolve_policy", "plan_call", "named_policy", "POLI
 #: The shipped policies by name: with their defaults, then with an option
 #: switched on (off by default: docs/decisions.md, D3 and D4). ``explain
 #: --policy NAME`` shows them; tools pin one by name (``named_policy``).
-_NAMED: dict[str, WorkspacePolicy] = {
+_NAMED: dict[str, Policy] = {
     "plain": WorkspacePolicy(),
     "fsdp2": FSDP2WorkspacePolicy(),
     "recompute": RecomputeWorkspacePolicy(inner=WorkspacePolicy()),
@@ -44,7 +45,7 @@ _NAMED: dict[str, WorkspacePolicy] = {
 POLICY_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
-def named_policy(name: str) -> WorkspacePolicy:
+def named_policy(name: str) -> Policy:
     """The shipped policy called ``name`` (one of :data:`POLICY_NAMES`), e.g.
     ``named_policy("fsdp2_microbatch_cache")`` to pin an option by name.
     Raises ValueError naming the choices for any other name."""
@@ -54,7 +55,7 @@ def named_policy(name: str) -> WorkspacePolicy:
         raise ValueError(f"no shipped policy is named {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
 
 
-def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
+def select_policy(ctx: WorkspaceContext) -> Policy:
     """The policy the manager uses for a call when none is pinned: by the
     weight's sharding, wrapped for recompute passes."""
     if not isinstance(ctx, WorkspaceContext):
@@ -65,9 +66,10 @@ def select_policy(ctx: WorkspaceContext) -> WorkspacePolicy:
     return RecomputeWorkspacePolicy(inner=base)
 
 
-def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePolicy:
-    """The policy for a call: ``pinned`` if given (wrapped for recompute
-    passes when it is not a recompute policy itself), else :func:`select_policy`.
+def resolve_policy(ctx: WorkspaceContext, pinned: Policy | None = None) -> Policy:
+    """The policy for a call: ``pinned`` if given (wrapped in a
+    RecomputeWorkspacePolicy for a recompute pass it does not plan itself,
+    see ``Policy.recompute_passes``), else :func:`select_policy`.
 
     A pinned policy is not second-guessed: if it does not cover the call's
     setting, planning raises :class:`PolicyMismatchError`.
@@ -76,17 +78,17 @@ def resolve_policy(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None)
         return select_policy(ctx)
     if not isinstance(ctx, WorkspaceContext):
         raise ContextTypeError(f"resolve_policy expects a WorkspaceContext; received {type(ctx).__name__}")
-    if not isinstance(pinned, WorkspacePolicy):
+    if not isinstance(pinned, Policy):
         raise ContextTypeError(
-            f"a pinned policy must be a WorkspacePolicy instance (e.g. FSDP2WorkspacePolicy()); "
+            f"a pinned policy must be a Policy instance (e.g. FSDP2WorkspacePolicy()); "
             f"received {pinned!r} ({type(pinned).__name__})"
         )
-    if ctx.recompute is not RecomputePass.NONE and not isinstance(pinned, RecomputeWorkspacePolicy):
+    if ctx.recompute not in pinned.recompute_passes:
         return RecomputeWorkspacePolicy(inner=pinned)
     return pinned
 
 
-def plan_call(ctx: WorkspaceContext, pinned: WorkspacePolicy | None = None) -> WorkspacePlan:
+def plan_call(ctx: WorkspaceContext, pinned: Policy | None = None) -> WorkspacePlan:
     """The plan of one module call: :func:`resolve_policy`'s policy asked
     about ``ctx``. What a binding calls when a call is not in its memo.
 

@@ -19,6 +19,7 @@ against the digests, so it holds exactly the recorded plans.
 
 from __future__ import annotations
 
+import abc
 import gzip
 import hashlib
 import inspect
@@ -32,6 +33,7 @@ from workspace_manager import (
     PROFILES,
     FSDP2WorkspacePolicy,
     InvalidContextError,
+    Policy,
     QuantizerCapabilities,
     RecomputeCopy,
     RecomputePass,
@@ -166,16 +168,30 @@ def test_the_transform_plans_recompute_passes_only():
         recompute_pass_plan(ctx, WorkspacePolicy().plan(ctx), RecomputeCopy.AS_TE)
 
 
-def test_the_wrapper_answers_no_question_of_its_own():
-    """One policy protocol: the six methods are asked only of base
-    policies; the wrapper defines none of them, and no property."""
+def test_the_wrapper_answers_no_question_and_inherits_none():
+    """The six methods are asked only of WorkspacePolicy and its
+    subclasses; the wrapper is a Policy apart from them: it neither defines
+    nor inherits any of them, and it inherits nothing from Policy but
+    ``covers``, which it uses."""
+    assert not issubclass(RecomputeWorkspacePolicy, WorkspacePolicy)
+    assert RecomputeWorkspacePolicy.__mro__[1:] == (Policy, abc.ABC, object)
+    assert not [name for name in QUESTIONS if hasattr(RecomputeWorkspacePolicy, name)]
+    inherited = {n for n, v in vars(Policy).items() if inspect.isfunction(v) and n not in vars(RecomputeWorkspacePolicy)}
+    assert inherited == {"covers"}
     own = vars(RecomputeWorkspacePolicy)
-    assert not [name for name in QUESTIONS if name in own]
     assert not [name for name, value in own.items() if isinstance(value, property)]
-    assert set(n for n, v in own.items() if inspect.isfunction(v)) <= {"__post_init__", "covers", "check_context",
+    assert set(n for n, v in own.items() if inspect.isfunction(v)) <= {"__post_init__", "check_context",
                                                                         "plan", "_check_inner", "__init__", "__repr__",
                                                                         "__eq__", "__hash__", "__setattr__",
                                                                         "__delattr__", "__getstate__", "__setstate__"}
+
+
+def test_what_a_policy_provides_is_abstract_and_every_shipped_policy_provides_it():
+    with pytest.raises(TypeError, match="abstract"):
+        Policy()
+    assert all(isinstance(p, Policy) for p in SHIPPED_POLICIES)
+    assert {p.recompute_passes for p in SHIPPED_POLICIES} == {frozenset({RecomputePass.NONE}), frozenset(RecomputePass)}
+    assert all(p.recompute_passes == frozenset(RecomputePass) for p in WRAPPERS)
 
 
 def test_the_wrapper_plans_its_inner_policys_shardings_as_a_value():

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .._context import QuantizerCapabilities, RecomputePass, Sharding, WeightSource, WorkspaceContext
 from .._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
-from .._policy import WorkspacePolicy
+from .._policy import Policy
 from .._selection import resolve_policy
 
 __all__ = [
@@ -212,7 +212,7 @@ class ModuleRuntime:
         *,
         sharding: Sharding = Sharding.NONE,
         weight: WeightSource = WeightSource.HIGH_PRECISION,
-        pinned: WorkspacePolicy | None = None,
+        pinned: Policy | None = None,
         freshness: Freshness = Freshness.FULL,
     ) -> None:
         self.quantizer = quantizer
