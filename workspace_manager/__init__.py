@@ -31,6 +31,7 @@ from ._errors import (
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
+from ._explain import ModuleKindEntry, register_module_kind, registered_module_kinds
 from ._hints import install_hint
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, fsdp2_gathered_parameters, probe_fsdp2_sharding
 from .attribution import (
@@ -132,6 +133,10 @@ __all__ = [
     "PROFILES",
     "RECIPE_PROFILES",
     "TE_QUANTIZER_PROFILES",
+    # the module kinds explain names, which bindings register
+    "register_module_kind",
+    "registered_module_kinds",
+    "ModuleKindEntry",
     # how to install the optional parts (the te and test extras)
     "install_hint",
     # errors
