@@ -15,9 +15,10 @@ the median time per call over the repeats, with its spread:
 - ``WorkspaceContext(...)`` + ``resolve_policy`` + ``plan``: building the
   context, planned afresh;
 - ``resolve_policy`` + a plan memoized per (policy, context);
-- the binding's path per weight: ``plan_call``, the context and plan
-  memoized per call shape (``ManagedCall.plan_weight``, less the quantizer
-  registry lookup);
+- the binding's path per weight: a plan memoized per call shape, found by
+  one dictionary lookup with a tuple key (``ModuleWorkspaceState.levers``,
+  less reading the call's values; a miss builds the context and calls
+  ``plan_call``);
 - ``attribution off``: the check each seam makes while workspace recording
   is off (against the no-op, it is what recording costs when not used).
 
@@ -80,7 +81,8 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
     from dataclasses import fields
 
-    from workspace_manager import CallShape, WorkspaceContext, WorkspaceLedger, plan_call, resolve_policy, select_policy
+    from workspace_manager import (BackwardOverride, Microbatch, WorkspaceContext, WorkspaceLedger, plan_call,
+                                   resolve_policy, select_policy)
 
     # A memo of plans alone, keyed by the frozen (policy, context).
     memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
@@ -92,10 +94,18 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
         ctx = WorkspaceContext(**kw)
         return resolve_policy(ctx, None).plan(ctx)
 
+    # The binding's memo: the call's values as TE hands them over (a tuple
+    # that hashes in C, as the binding's key does) -> its plan.
+    first = {Microbatch.NONE: None, Microbatch.FIRST: True, Microbatch.LATER: False}
+    shapes = [("weight", ctx.capabilities.name, ctx.is_quantized_param, ctx.grad_enabled, ctx.input_requires_grad,
+               first[ctx.microbatch], None if ctx.backward_override is BackwardOverride.NONE
+               else ctx.backward_override.value, ctx.recompute, ctx.recompute_scope, ctx.sharding) for ctx in ctxs]
+    plans = dict(zip(shapes, (plan_call(ctx) for ctx in ctxs)))
+
     def binding_path(shape):
-        # What ManagedCall.plan_weight runs per weight, less the registry
-        # lookup: the context and plan memoized per call shape.
-        return plan_call(None, shape)
+        # What ModuleWorkspaceState.levers runs per weight once the call's
+        # shape was planned: one lookup by a tuple key.
+        return plans[shape]
 
     ledger = WorkspaceLedger()  # recording off, as by default
 
@@ -107,7 +117,6 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
 
     pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
     kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
-    shapes = [CallShape(**kw) for kw in kwargs]
     return {
         "no-op": (noop, ctxs),
         "select_policy(ctx).plan(ctx)": (lambda ctx: select_policy(ctx).plan(ctx), ctxs),
@@ -116,7 +125,7 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
                                                   pinned),
         "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
         "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
-        "binding path: plan_call (context and plan memoized per call shape)": (binding_path, shapes),
+        "binding path: plan memoized per call shape (a tuple key)": (binding_path, shapes),
         "attribution off: the seams' check per call": (attribution_off, ctxs),
     }
 

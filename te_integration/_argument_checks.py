@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from workspace_manager import WorkspacePolicy
+from workspace_manager import Policy
 
 
 def _received(value: Any) -> str:
@@ -29,14 +29,14 @@ def expect_te_module(func: str, arg: str, value: Any, te_classes: tuple[type, ..
 
 
 def expect_policy(func: str, value: Any) -> None:
-    """``value`` is a WorkspacePolicy instance or None."""
-    if value is None or isinstance(value, WorkspacePolicy):
+    """``value`` is a policy (a ``workspace_manager.Policy`` instance) or None."""
+    if value is None or isinstance(value, Policy):
         return
-    if isinstance(value, type) and issubclass(value, WorkspacePolicy):
-        raise TypeError(f"{func}: policy must be a WorkspacePolicy instance or None; received the class "
+    if isinstance(value, type) and issubclass(value, Policy):
+        raise TypeError(f"{func}: policy must be a Policy instance or None; received the class "
                         f"{value.__name__}. Pass an instance: {value.__name__}().")
-    raise TypeError(f"{func}: policy must be a WorkspacePolicy (from workspace_manager) or None; "
-                    f"{_received(value)}.")
+    raise TypeError(f"{func}: policy must be a Policy (from workspace_manager, e.g. FSDP2WorkspacePolicy()) or "
+                    f"None; {_received(value)}.")
 
 
 def expect_callable(func: str, arg: str, value: Any) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from workspace_manager import (
-    CallShape,
     Usage,
     WeightSource,
+    WorkspaceContext,
     plan_call,
     quantizer_capabilities,
 )
@@ -66,9 +66,9 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     """The drop-in ``module``'s plan for a training call on a quantized
     parameter made by ``quantizer`` (what its shards keep, what is released)."""
     state = state_of(module)
-    shape = CallShape(capabilities=quantizer_capabilities(quantizer), sharding=state.sharding(module),
-                      weight=WeightSource.QUANTIZED_PARAM)
-    return plan_call(state.policy, shape).plan
+    ctx = WorkspaceContext(capabilities=quantizer_capabilities(quantizer), sharding=state.sharding(module),
+                           weight=WeightSource.QUANTIZED_PARAM)
+    return plan_call(ctx, state.policy)
 
 
 def _retrim_tracked(stepped: list) -> None:

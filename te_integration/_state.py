@@ -9,14 +9,16 @@ ours is stored on the module, and nothing of one call (that is the
 :class:`~te_integration._call.CallRecord`).
 
 Why a memo of levers: a training step repeats a handful of call shapes.
-The first call of each shape asks the policy (through the core's memoized
-``plan_call``) and turns the plan into :class:`~te_integration._levers.Levers`,
-the few values TE's code reads; every later call of that shape is one
-dictionary lookup. The plan stays reachable from its levers, for
-:func:`last_plans`, ``explain`` and attribution. Sound because policies are
-frozen and pure, and the key holds everything a context is built from
-(``default_registry.generation`` voids the memo when quantizer
-registrations change).
+The first call of each shape describes it as a
+:class:`~workspace_manager.WorkspaceContext`, asks the policy
+(``plan_call``) and turns the plan into
+:class:`~te_integration._levers.Levers`, the few values TE's code reads;
+every later call of that shape is one dictionary lookup. This memo is the
+only one between a call and its plan; the plan and its context stay
+reachable from the levers, for :func:`last_plans`, ``explain`` and
+attribution. Sound because policies are frozen and pure, and the key holds
+everything the context is built from (``default_registry.generation`` voids
+the memo when quantizer registrations change).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any
 
 from workspace_manager import (
     BackwardOverride,
-    CallShape,
     Microbatch,
+    Policy,
     RecomputePass,
     RecomputeScope,
     Sharding,
@@ -35,7 +37,6 @@ from workspace_manager import (
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
-    WorkspacePolicy,
     default_registry,
     plan_call,
     probe_fsdp2_sharding,
@@ -83,7 +84,7 @@ class ModuleWorkspaceState:
     __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_instance_keys",
                  "_last", "filled", "_rebuilders")
 
-    def __init__(self, kind: ModuleKind, policy: WorkspacePolicy | None = None, *,
+    def __init__(self, kind: ModuleKind, policy: Policy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
         """``probe``: how to read the module's sharding (default: made from
         FSDP2's state at the first call); anything with ``read()``,
@@ -127,11 +128,11 @@ class ModuleWorkspaceState:
 
     # -- policy -----------------------------------------------------------------
     @property
-    def policy(self) -> WorkspacePolicy | None:
+    def policy(self) -> Policy | None:
         return self._policy
 
     @policy.setter
-    def policy(self, policy: WorkspacePolicy | None) -> None:
+    def policy(self, policy: Policy | None) -> None:
         self._policy = policy
         self._memo.clear()
 
@@ -175,6 +176,12 @@ class ModuleWorkspaceState:
             caps_key = known[1] if known is not None and known[0] is source else self._capabilities_key(source)
         if sharding is None:
             sharding = self.probe(module).read()
+        # The memo's key is the call as TE hands it over, not the
+        # WorkspaceContext built from it: building and checking a context
+        # takes 68 Python calls and hashing it 12 more, this tuple none, and
+        # the call budget (tests/unit/test_call_budget.py) has no room for
+        # them. It is a key only: nothing reads it but _plan, which builds
+        # the one description of the call, the context, from it once.
         shape = (key, caps_key, is_qp, grad, input_requires_grad, is_first_microbatch, backward_override, recompute,
                  scope, sharding)
         try:
@@ -210,20 +217,19 @@ class ModuleWorkspaceState:
 
     def _plan(self, shape: tuple, quantizer: Any) -> Levers:
         key, _, is_qp, grad, input_rg, first, override, recompute, scope, sharding = shape
-        call = CallShape(
+        ctx = WorkspaceContext(
             capabilities=quantizer_capabilities(quantizer), sharding=sharding, recompute=recompute,
             recompute_scope=scope, grad_enabled=grad, input_requires_grad=input_rg,
             weight=WeightSource.QUANTIZED_PARAM if is_qp else WeightSource.HIGH_PRECISION,
             microbatch=Microbatch.from_is_first_microbatch(first), backward_override=BackwardOverride.from_te(override),
         )
-        planned = plan_call(self._policy, call)
-        require_supported(key, planned.context, planned.plan)
+        plan = plan_call(ctx, self._policy)
+        require_supported(key, ctx, plan)
         if recompute is RecomputePass.FIRST and grad and scope is RecomputeScope.REGION:
             # Only a non-reentrant checkpoint's first pass runs with grad on:
             # its recompute pass must keep the same things (see _plan_support).
-            replanned = plan_call(self._policy, _as_recompute_pass(call))
-            require_same_passes(key, planned.context, planned.plan, replanned.plan)
-        return levers_from_plan(key, planned.context, planned.plan)
+            require_same_passes(key, ctx, plan, plan_call(ctx.as_recompute_pass(), self._policy))
+        return levers_from_plan(key, ctx, plan)
 
     # -- what the latest call planned ----------------------------------------------
     def remember(self, levers: Levers) -> None:
@@ -258,15 +264,6 @@ class ModuleWorkspaceState:
         if rebuilder is None or rebuilder.quantizer is not quantizer or rebuilder.usage is not usage:
             rebuilder = rebuilders[key] = RebuildQuantizer(quantizer, usage)
         return rebuilder
-
-
-def _as_recompute_pass(call: CallShape) -> CallShape:
-    """The same call, as the recompute pass of its checkpoint."""
-    return CallShape(
-        capabilities=call.capabilities, sharding=call.sharding, recompute=RecomputePass.RECOMPUTE,
-        recompute_scope=call.recompute_scope, grad_enabled=True, input_requires_grad=call.input_requires_grad,
-        weight=call.weight, microbatch=call.microbatch, backward_override=call.backward_override,
-    )
 
 
 def state_of(module: Any) -> ModuleWorkspaceState:

@@ -1,6 +1,6 @@
 """workspace_manager: explicit decisions about quantized weight workspaces.
 
-A :class:`WorkspacePolicy` turns a :class:`WorkspaceContext` (one module
+A :class:`Policy` turns a :class:`WorkspaceContext` (one module
 call) into a :class:`WorkspacePlan` (cache, forward usage, what backward
 gets, what is released). The package never imports TransformerEngine; the
 ``te_integration`` package binds it to TE's modules.
@@ -31,6 +31,7 @@ from ._errors import (
     UnsupportedPlanError,
     WorkspaceManagerError,
 )
+from ._explain import ModuleKindEntry, register_module_kind, registered_module_kinds
 from ._hints import install_hint
 from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, fsdp2_gathered_parameters, probe_fsdp2_sharding
 from .attribution import (
@@ -52,6 +53,7 @@ from ._policy import (
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     MicrobatchCache,
+    Policy,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -66,8 +68,6 @@ from ._registry import (
 )
 from ._selection import (
     POLICY_NAMES,
-    CallShape,
-    PlannedCall,
     named_policy,
     plan_call,
     resolve_policy,
@@ -93,7 +93,8 @@ __all__ = [
     "BackwardSource",
     "ColumnwiseSource",
     "Release",
-    # policies
+    # policies: what every policy provides, then the shipped ones
+    "Policy",
     "WorkspacePolicy",
     "FSDP2WorkspacePolicy",
     "LeanWorkspacePolicy",
@@ -105,8 +106,6 @@ __all__ = [
     "select_policy",
     "resolve_policy",
     "plan_call",
-    "CallShape",
-    "PlannedCall",
     "named_policy",
     "POLICY_NAMES",
     # attribution: who holds which quantized bytes, and why
@@ -134,6 +133,10 @@ __all__ = [
     "PROFILES",
     "RECIPE_PROFILES",
     "TE_QUANTIZER_PROFILES",
+    # the module kinds explain names, which bindings register
+    "register_module_kind",
+    "registered_module_kinds",
+    "ModuleKindEntry",
     # how to install the optional parts (the te and test extras)
     "install_hint",
     # errors

@@ -1,4 +1,11 @@
-"""``python -m workspace_manager explain`` (or ``workspace-manager explain``): print the decision table."""
+"""``python -m workspace_manager explain`` (or ``workspace-manager explain``): print the decision table.
+
+The legend's last line names the module kinds the plans apply to, as bindings
+register them in the process (``register_module_kind``; ``te_integration``
+does when imported). Run on its own the command imports no binding, so that
+line says the plans hold for every module call alike and that no binding
+registered its kinds; the table is the same either way.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, TextOptions, decision_table, recipe_dependent, render_json, render_text
+from ._explain import POLICY_CHOICES, decision_table, recipe_dependent
+from ._explain_layout import TextOptions, render_json, render_text
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers

@@ -301,6 +301,13 @@ class WorkspaceContext:
             return self
         return replace(self, recompute=RecomputePass.NONE, recompute_scope=RecomputeScope.REGION)
 
+    def as_recompute_pass(self) -> WorkspaceContext:
+        """The same call as its checkpoint's recompute pass replays it: the
+        pass that a first pass's backward runs (a recompute pass always has
+        grad). Bindings and policies plan a non-reentrant first pass against
+        it, since backward matches what the two passes save by position."""
+        return replace(self, recompute=RecomputePass.RECOMPUTE, grad_enabled=True)
+
 
 def valid_contexts(
     capabilities: QuantizerCapabilities,

@@ -12,13 +12,18 @@ seven fields:
                      ``backward_usage`` (which follows from the source)
   4. release:        ``release``
 
-``notes`` says why, in words. A policy answers the four decisions through
+``notes`` says why, in words. What every policy provides is
+:class:`Policy`: ``plan(ctx)``, ``covers(ctx)``, ``check_context(ctx)``
+and the settings it plans (``shardings``, ``recompute_passes``); bindings,
+selection and ``explain`` ask nothing else. :class:`WorkspacePolicy`, the
+plain policy, and its subclasses answer the four decisions through
 six methods, one per chosen field: ``cache_action``, ``forward_usage``,
 ``parameter_keeps``, ``backward_source``, ``columnwise_source``, ``release``.
-That is the one policy protocol. A recompute pass is not a seventh policy
-but a transform: ``recompute_pass_plan`` turns the plan the inner policy
-makes for the step's real forward (``inner_policy_context``) into the
-pass's plan; ``RecomputeWorkspacePolicy(inner)`` applies it.
+A recompute pass is not a seventh policy but a transform:
+``recompute_pass_plan`` turns the plan the inner policy makes for the
+step's real forward (``inner_policy_context``) into the pass's plan;
+``RecomputeWorkspacePolicy(inner)`` applies it, a :class:`Policy` that asks
+none of the six methods.
 
 The life per policy, for one training step (F = forward, B = backward,
 layer i of n; "row" and "col" are the rowwise and columnwise data)::
@@ -76,12 +81,13 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
 Bindings cite this note by its title where they act on a plan.
 
 Which policy plans a call (``select_policy``, ``resolve_policy``) and the
-bindings' memoized path (``plan_call``) live in ``_selection.py``; plan
+bindings' path to a plan (``plan_call``) live in ``_selection.py``; plan
 notes, which are presentation, in ``_notes.py``.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -99,6 +105,7 @@ from ._notes import plan_notes
 from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
 
 __all__ = [
+    "Policy",
     "MicrobatchCache",
     "RecomputeCopy",
     "LeanWorkspacePolicy",
@@ -203,8 +210,50 @@ def _cache_by_microbatch(ctx: WorkspaceContext) -> CacheAction:
     return CacheAction.FILL if ctx.microbatch is Microbatch.FIRST else CacheAction.REUSE
 
 
+#: The recompute passes of a policy of calls outside activation recompute.
+_OUTSIDE_RECOMPUTE = frozenset({RecomputePass.NONE})
+
+
+class Policy(abc.ABC):
+    """What every policy provides: what bindings, :func:`resolve_policy`,
+    the invariants and ``explain`` ask of one. :class:`WorkspacePolicy`
+    (the plain policy, and the base of the policies that answer the six
+    questions) and :class:`RecomputeWorkspacePolicy` (a wrapper) are the
+    shipped kinds; a policy of your own subclasses one of them, or this.
+
+    A policy is immutable and pure: ``plan(ctx)`` depends on ``ctx`` alone,
+    so a binding may keep a plan for every later call of the same context.
+    """
+
+    #: Weight distributions the policy plans. Fixed per class for the
+    #: policies of calls outside recompute; a recompute wrapper takes its
+    #: inner policy's, per instance.
+    shardings: frozenset[Sharding]
+    #: The recompute passes the policy plans itself. ``{RecomputePass.NONE}``:
+    #: calls outside activation recompute only, and :func:`resolve_policy`
+    #: wraps a pinned one in :class:`RecomputeWorkspacePolicy` for a pass;
+    #: every pass: a policy of recompute passes, which plans the other
+    #: calls too (``explain`` shows it with the passes only).
+    recompute_passes: ClassVar[frozenset[RecomputePass]]
+    #: Short name used by tables, the CLI and error messages.
+    label: ClassVar[str]
+
+    def covers(self, ctx: WorkspaceContext) -> bool:
+        """Whether the policy plans ``ctx`` (else :meth:`plan` raises PolicyMismatchError)."""
+        return ctx.sharding in self.shardings and ctx.recompute in self.recompute_passes
+
+    @abc.abstractmethod
+    def check_context(self, ctx: WorkspaceContext) -> None:
+        """Raise PolicyMismatchError, saying what to pin instead, if the policy does not plan ``ctx``."""
+
+    @abc.abstractmethod
+    def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
+        """Decide the workspace's fate for one call. Pure: the same context
+        always gives the same plan."""
+
+
 @dataclass(frozen=True)
-class WorkspacePolicy:
+class WorkspacePolicy(Policy):
     """The plain policy, for whole (unsharded) weights: single GPU, DDP,
     tensor parallel.
 
@@ -223,22 +272,14 @@ class WorkspacePolicy:
     lifetime] in this module says which field answers which decision.
     """
 
-    #: Weight distributions this policy plans for. An attribute of every
-    #: policy, read on the class or the instance: fixed per class here and in
-    #: the shipped subclasses, while RecomputeWorkspacePolicy takes its inner
-    #: policy's per instance (so it is not declared a ClassVar).
+    # Not a ClassVar: Policy.shardings is per instance for a recompute wrapper.
     shardings = frozenset({Sharding.NONE})
-    #: Short name used by tables, the CLI and error messages.
+    recompute_passes: ClassVar[frozenset[RecomputePass]] = _OUTSIDE_RECOMPUTE
     label: ClassVar[str] = "plain"
 
     def plan(self, ctx: WorkspaceContext) -> WorkspacePlan:
-        """Decide the workspace's fate for one call. Pure: the same context
-        always gives the same plan."""
         self.check_context(ctx)
         return _ask(self, ctx)
-
-    def covers(self, ctx: WorkspaceContext) -> bool:
-        return ctx.sharding in self.shardings and ctx.recompute is RecomputePass.NONE
 
     def check_context(self, ctx: WorkspaceContext) -> None:
         _require_context(self, ctx)
@@ -282,7 +323,7 @@ class WorkspacePolicy:
         return Usage.BOTH
 
 
-def _require_context(policy: WorkspacePolicy, ctx: object) -> None:
+def _require_context(policy: Policy, ctx: object) -> None:
     if not isinstance(ctx, WorkspaceContext):
         raise ContextTypeError(
             f"{type(policy).__name__}.plan expects a WorkspaceContext; received {type(ctx).__name__}"
@@ -522,13 +563,13 @@ class DistributedWeightWorkspacePolicy(WorkspacePolicy):
 
 
 @dataclass(frozen=True)
-class RecomputeWorkspacePolicy(WorkspacePolicy):
+class RecomputeWorkspacePolicy(Policy):
     """For modules inside activation recompute (``te.checkpoint``,
     ``LayerNormMLP(checkpoint=True)``), wrapping the policy of the weight's
     sharding (``inner``).
 
-    A wrapper, not a policy of its own: its plans come from ``inner``'s, never
-    from the six methods (inherited from WorkspacePolicy, and not called).
+    A wrapper, not a policy of its own: its plans come from ``inner``'s; it
+    has none of the six methods a :class:`WorkspacePolicy` answers with.
     Calls outside a recompute region are planned by ``inner`` unchanged; a
     recompute pass's plan is :func:`recompute_pass_plan` of the plan
     ``inner`` makes for the step's real forward (:func:`inner_policy_context`).
@@ -557,23 +598,21 @@ class RecomputeWorkspacePolicy(WorkspacePolicy):
     step-time gain not measured yet (docs/decisions.md, D3).
     """
 
-    inner: WorkspacePolicy = field(default_factory=WorkspacePolicy)
+    inner: Policy = field(default_factory=WorkspacePolicy)
     recompute_copy: RecomputeCopy = RecomputeCopy.AS_TE
+    recompute_passes: ClassVar[frozenset[RecomputePass]] = frozenset(RecomputePass)
     label: ClassVar[str] = "recompute"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner, WorkspacePolicy) or isinstance(self.inner, RecomputeWorkspacePolicy):
+        if not isinstance(self.inner, Policy) or self.inner.recompute_passes != _OUTSIDE_RECOMPUTE:
             raise ContextTypeError(
-                "RecomputeWorkspacePolicy.inner must be a non-recompute WorkspacePolicy "
-                f"(e.g. FSDP2WorkspacePolicy()); received {self.inner!r}"
+                "RecomputeWorkspacePolicy.inner must be a non-recompute policy, one whose recompute_passes are "
+                f"{{RecomputePass.NONE}} (e.g. FSDP2WorkspacePolicy()); received {self.inner!r}"
             )
         _require_option(self, "recompute_copy", self.recompute_copy, RecomputeCopy)
         # Derived from a field, as a frozen dataclass derives (not a field:
         # equality, hashing and repr stay those of inner and recompute_copy).
         object.__setattr__(self, "shardings", self.inner.shardings)
-
-    def covers(self, ctx: WorkspaceContext) -> bool:
-        return ctx.sharding in self.shardings
 
     def check_context(self, ctx: WorkspaceContext) -> None:
         _require_context(self, ctx)
@@ -626,7 +665,7 @@ def recompute_pass_plan(ctx: WorkspaceContext, inner_plan: WorkspacePlan, recomp
         # position, so this pass must save exactly what that pass saves.
         # Only the cache action is its own (it may fill what the recompute
         # pass then reads). Both passes share one inner plan.
-        replay = _pass_plan(replace(ctx, recompute=RecomputePass.RECOMPUTE), inner_plan, recompute_copy)
+        replay = _pass_plan(ctx.as_recompute_pass(), inner_plan, recompute_copy)
         return _assemble(
             ctx, _pass_cache(ctx, inner_plan), replay.forward_usage, replay.backward_source,
             replay.columnwise_source, replay.release, replay.parameter_keeps,

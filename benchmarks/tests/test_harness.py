@@ -368,7 +368,7 @@ def test_policy_overhead_quick_end_to_end(tmp_path):
     cases = {(s["case"], s["contexts"]) for s in data["samples"]}
     assert ("no-op", "no recompute") in cases and ("select_policy(ctx).plan(ctx)", "recompute passes") in cases
     assert ("resolve_policy(ctx).plan(ctx)", "no recompute") in cases
-    assert ("binding path: plan_call (context and plan memoized per call shape)", "recompute passes") in cases
+    assert ("binding path: plan memoized per call shape (a tuple key)", "recompute passes") in cases
     assert ("attribution off: the seams' check per call", "no recompute") in cases
     assert all(len(s["ns_per_call"]) == 5 and min(s["ns_per_call"]) > 0 for s in data["samples"])
     md = (tmp_path / "policy_overhead-quick.md").read_text()

@@ -146,7 +146,7 @@ def test_the_legend_has_no_term_no_table_uses(capsys):
 
 
 def test_legend_meanings_never_hold_the_separator():
-    from workspace_manager._explain import LEGEND
+    from workspace_manager._explain_layout import LEGEND
 
     assert not [term for term, meaning in LEGEND.items() if "; " in meaning or ": " in term]
 
@@ -221,7 +221,8 @@ def _expand(heading: str, key: str, unmerged: dict[str, list[str]]) -> set[tuple
 
 @pytest.mark.parametrize("why", [False, True])
 def test_merged_rows_stand_for_rows_that_print_the_same(why):
-    from workspace_manager._explain import _shown, decision_table, setting_blocks
+    from workspace_manager._explain import decision_table
+    from workspace_manager._explain_layout import _shown, setting_blocks
 
     rows = decision_table(list(RECIPE_PROFILES.values()))
     merged, plain = setting_blocks(rows, why=why), setting_blocks(rows, merge=False, why=why)
@@ -274,14 +275,15 @@ def test_recipe_shows_only_the_settings_that_depend_on_the_recipe(capsys):
 
 def test_recipe_dependent_keeps_exactly_the_settings_whose_plans_differ():
     from workspace_manager._explain import decision_table, recipe_dependent
+    from workspace_manager._explain_layout import setting_words
 
     def heading(row) -> tuple[str, str]:  # (policy, setting without its microbatch position)
-        return row.policy, " ".join(w for w in row.setting().split() if not w.startswith("mb:"))
+        return row.policy, " ".join(w for w in setting_words(row.context).split() if not w.startswith("mb:"))
 
     every = decision_table(list(RECIPE_PROFILES.values()))
     plans: dict[tuple[str, str], set] = {}
     for row in every:
-        plans.setdefault(heading(row), set()).add((row.setting(), row.plan))
+        plans.setdefault(heading(row), set()).add((setting_words(row.context), row.plan))
     named = [r for r in every if r.context.capabilities is RECIPE_PROFILES["Float8CurrentScaling"]]
     kept, hidden = recipe_dependent(named)
     differ = {key for key, found in plans.items() if len(found) > len({s for s, _ in found})}
@@ -456,3 +458,75 @@ def test_a_closed_stdout_ends_with_one_line_and_status_1():
     result = subprocess.run(["sh", "-c", 'exec "$0" -m workspace_manager explain >&-', sys.executable],
                             stderr=subprocess.PIPE, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (1, "workspace_manager: stdout is closed; nothing was written\n")
+
+
+# -- the module kinds the legend names -------------------------------------------------------
+@pytest.fixture
+def no_kinds(monkeypatch):
+    """The core's registry of module kinds, empty for the test (put back after it)."""
+    import workspace_manager._explain as data
+
+    monkeypatch.setattr(data, "_MODULE_KINDS", {})
+    return data
+
+
+def _modules_line(out: str) -> str:
+    legend = out.rpartition("\nlegend:\n")[2]
+    return " ".join(legend.partition("  modules  ")[2].split())
+
+
+def test_without_a_binding_the_legend_says_no_module_kind_was_registered(capsys, no_kinds):
+    main(["explain", "--policy", "fsdp2"])
+    assert _modules_line(capsys.readouterr().out) == (
+        "every module call alike: a plan depends on the call, not on the module kind (no binding has registered "
+        "its module kinds in this process)")
+
+
+def test_the_legend_names_the_module_kinds_the_binding_registers(capsys, monkeypatch, no_kinds):
+    """te_integration registers every kind it manages when imported, te.ops's included."""
+    from _binding_standin import load_binding
+    from _fake_te import compat
+
+    kinds = load_binding(monkeypatch, compat(), "_explain_kinds")["_explain_kinds"]
+    assert [k.name for k in no_kinds.registered_module_kinds()] == [
+        "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "te.ops.BasicLinear", "te.ops.GroupedLinear"]
+    assert len(kinds.EXPLAINED_KINDS) == len(kinds.ModuleKind)
+    main(["explain", "--policy", "fsdp2"])
+    out = capsys.readouterr().out
+    assert _modules_line(out) == (
+        "Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, te.ops.BasicLinear and te.ops.GroupedLinear calls "
+        "alike (GroupedLinear and te.ops.GroupedLinear: one plan for all experts)")
+    lines = out.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80  # still one screen
+
+
+def test_registering_a_module_kind_again_replaces_its_note_in_its_place(no_kinds):
+    from workspace_manager import ContextTypeError, ModuleKindEntry, register_module_kind, registered_module_kinds
+
+    register_module_kind("A")
+    register_module_kind("B", "two weights")
+    register_module_kind("A", "one plan")
+    assert registered_module_kinds() == (ModuleKindEntry("A", "one plan"), ModuleKindEntry("B", "two weights"))
+    for bad in [dict(name=""), dict(name=3), dict(name="C", note=None)]:
+        with pytest.raises(ContextTypeError, match="register_module_kind"):
+            register_module_kind(**bad)
+
+
+def test_a_policy_shows_the_recompute_passes_it_plans_whatever_its_label():
+    """The table's settings follow ``recompute_passes``, not the label."""
+    from dataclasses import dataclass
+
+    from workspace_manager import RecomputePass, RecomputeWorkspacePolicy, WorkspacePolicy
+    from workspace_manager._explain import _contexts
+
+    @dataclass(frozen=True)
+    class Relabelled(RecomputeWorkspacePolicy):
+        label = "renamed"
+
+    @dataclass(frozen=True)
+    class Misleading(WorkspacePolicy):
+        label = "recompute"
+
+    caps = RECIPE_PROFILES["Float8CurrentScaling"]
+    assert {c.recompute for c in _contexts(Relabelled(), caps, False)} == {RecomputePass.FIRST, RecomputePass.RECOMPUTE}
+    assert {c.recompute for c in _contexts(Misleading(), caps, False)} == {RecomputePass.NONE}

@@ -266,6 +266,28 @@ def _carried_out_or_refused(ti, setting: Setting, data) -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_only_a_refusal_by_name_passes_a_run_that_does_not_conform(monkeypatch):
+    """A failed check of a run (numerics, conformance) fails the test: only
+    a PolicyMismatchError that names a plan field and the context passes,
+    and one that names neither fails too."""
+    setting = linear_settings()[0]
+
+    def raising(error):
+        def train(*args):
+            raise error
+        return train
+
+    monkeypatch.setattr(sys.modules[__name__], "_train", raising(AssertionError("step 0 call 0: numerics differ")))
+    with pytest.raises(AssertionError, match="numerics differ"):
+        _carried_out_or_refused(None, setting, None)
+    refusal = PolicyMismatchError("backward_source=saved_workspace cannot be carried out for the context ...")
+    monkeypatch.setattr(sys.modules[__name__], "_train", raising(refusal))
+    _carried_out_or_refused(None, setting, None)
+    monkeypatch.setattr(sys.modules[__name__], "_train", raising(PolicyMismatchError("no")))
+    with pytest.raises(AssertionError, match="names no plan field"):
+        _carried_out_or_refused(None, setting, None)
+
+
 @pytest.mark.parametrize("setting", linear_settings(), ids=_setting_id)
 @_HYPOTHESIS
 @given(data=st.data())

@@ -27,6 +27,7 @@ from workspace_manager import (
     resolve_policy,
 )
 from workspace_manager._profiles import MXFP8
+from workspace_manager.testing.plans import DrawnPlanPolicy
 
 CAPS = MXFP8
 
@@ -109,16 +110,18 @@ def test_plan_rejects_a_non_context():
 
 
 def test_recompute_wrapper_needs_a_plain_inner_policy():
-    with pytest.raises(ContextTypeError, match="inner must be a non-recompute WorkspacePolicy"):
+    with pytest.raises(ContextTypeError, match="inner must be a non-recompute policy"):
         RecomputeWorkspacePolicy(inner=RecomputeWorkspacePolicy())
     with pytest.raises(ContextTypeError):
         RecomputeWorkspacePolicy(inner="fsdp2")
+    with pytest.raises(ContextTypeError, match="inner must be a non-recompute policy"):  # plans passes itself
+        RecomputeWorkspacePolicy(inner=DrawnPlanPolicy(chooser=lambda ctx, plans: plans[0]))
 
 
 def test_resolve_policy_wraps_a_pinned_policy_for_recompute_and_rejects_non_policies():
     ctx = WorkspaceContext(capabilities=CAPS, sharding=Sharding.FSDP2_RESHARD, recompute=RecomputePass.RECOMPUTE)
     assert resolve_policy(ctx, FSDP2WorkspacePolicy()) == RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy())
-    with pytest.raises(ContextTypeError, match="pinned policy must be a WorkspacePolicy"):
+    with pytest.raises(ContextTypeError, match="pinned policy must be a Policy instance"):
         resolve_policy(ctx, "fsdp2")
     with pytest.raises(PolicyMismatchError):
         resolve_policy(ctx, WorkspacePolicy()).plan(ctx)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from _spaces import every_context, holds_for_each
 
 from workspace_manager import (
     RECIPE_PROFILES,
@@ -32,12 +31,14 @@ from workspace_manager import (
     select_policy,
 )
 from workspace_manager.testing import invariants as inv
-from workspace_manager.testing.strategies import contexts
 
 KEEP = KeepForBackwardWorkspacePolicy()
 FSDP2 = FSDP2WorkspacePolicy()
-FSDP2_SHARDINGS = st.sampled_from([Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])
-PLAIN_CALLS = contexts(sharding=FSDP2_SHARDINGS, recompute=st.just(RecomputePass.NONE))
+
+
+def _plain_calls():
+    """Every FSDP2 context outside recompute (``_spaces``): the calls the policy plans itself."""
+    return ((ctx,) for ctx in every_context() if ctx.sharding.is_fsdp2 and ctx.recompute is RecomputePass.NONE)
 
 
 def _ctx(recipe: str, sharding: Sharding = Sharding.FSDP2_RESHARD, **fields) -> WorkspaceContext:
@@ -62,25 +63,29 @@ def test_dequantized_backward_keeps_the_rowwise_copy_it_reads():
     assert plan.backward_usage == Usage.ROWWISE and plan.columnwise_source is ColumnwiseSource.NOT_NEEDED
 
 
-@given(PLAIN_CALLS)
-def test_every_call_it_does_not_keep_for_is_planned_as_fsdp2(ctx):
+def test_every_call_it_does_not_keep_for_is_planned_as_fsdp2():
     """Inexact quantizers (a kept copy would change dgrad), quantized
     parameters, no grad, no dgrad and high-precision dgrad: FSDP2's plan."""
-    kept = KEEP.plan(ctx)
-    default = FSDP2.plan(ctx)
-    if kept != default:
-        assert ctx.capabilities.requantization_safe and not ctx.is_quantized_param
-        assert default.backward_source is BackwardSource.REQUANTIZE
-        assert kept.backward_source is BackwardSource.SAVED_WORKSPACE
-        assert (kept.cache, kept.release, kept.parameter_keeps) == (default.cache, default.release,
-                                                                     default.parameter_keeps)
+    def check(ctx):
+        kept = KEEP.plan(ctx)
+        default = FSDP2.plan(ctx)
+        if kept != default:
+            assert ctx.capabilities.requantization_safe and not ctx.is_quantized_param
+            assert default.backward_source is BackwardSource.REQUANTIZE
+            assert kept.backward_source is BackwardSource.SAVED_WORKSPACE
+            assert (kept.cache, kept.release, kept.parameter_keeps) == (default.cache, default.release,
+                                                                         default.parameter_keeps)
+
+    assert holds_for_each(check, _plain_calls()) > 1_000
 
 
-@given(PLAIN_CALLS)
-def test_it_never_requantizes_where_requantizing_is_exact(ctx):
-    plan = KEEP.plan(ctx)
-    if ctx.capabilities.requantization_safe and not ctx.is_quantized_param:
-        assert plan.backward_source is not BackwardSource.REQUANTIZE
+def test_it_never_requantizes_where_requantizing_is_exact():
+    def check(ctx):
+        plan = KEEP.plan(ctx)
+        if ctx.capabilities.requantization_safe and not ctx.is_quantized_param:
+            assert plan.backward_source is not BackwardSource.REQUANTIZE
+
+    assert holds_for_each(check, _plain_calls()) > 1_000
 
 
 def test_microbatch_caching_is_fsdp2s_option_inherited():

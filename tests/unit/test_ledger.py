@@ -10,8 +10,7 @@ import gc
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from _spaces import holds_for_each, selected_plans
 
 from workspace_manager import (
     BackwardSource,
@@ -30,7 +29,6 @@ from workspace_manager import (
     workspace_kind,
 )
 from workspace_manager.testing.reference import Float8PerTensorQuantizer
-from workspace_manager.testing.strategies import contexts
 
 
 class Owner:
@@ -56,26 +54,30 @@ def _plan(sharding=Sharding.NONE, **kw):
 
 
 # -- the pure questions -----------------------------------------------------------
-@given(contexts())
-def test_kind_and_lifetime_follow_the_plan(ctx):
-    plan = select_policy(ctx).plan(ctx)
-    kind = workspace_kind(plan, from_cache=False)
-    life = expected_lifetime(kind, plan)
-    if plan.cache in (CacheAction.FILL, CacheAction.REUSE):
-        assert kind is WorkspaceKind.CACHED
-        assert life is (Lifetime.STEP if Release.CACHED_WORKSPACE in plan.release else Lifetime.KEPT)
-    elif plan.backward_source is BackwardSource.SAVED_WORKSPACE:
-        assert kind is WorkspaceKind.SAVED_FOR_BACKWARD and life is Lifetime.BACKWARD
-    else:
-        assert kind is WorkspaceKind.FORWARD_ONLY and life is Lifetime.CALL
-    assert workspace_kind(plan, from_cache=True) is WorkspaceKind.CACHED
+def test_kind_and_lifetime_follow_the_plan():
+    """For every context (``_spaces``) and the plan select_policy's policy makes."""
+    def check(ctx, plan):
+        kind = workspace_kind(plan, from_cache=False)
+        life = expected_lifetime(kind, plan)
+        if plan.cache in (CacheAction.FILL, CacheAction.REUSE):
+            assert kind is WorkspaceKind.CACHED
+            assert life is (Lifetime.STEP if Release.CACHED_WORKSPACE in plan.release else Lifetime.KEPT)
+        elif plan.backward_source is BackwardSource.SAVED_WORKSPACE:
+            assert kind is WorkspaceKind.SAVED_FOR_BACKWARD and life is Lifetime.BACKWARD
+        else:
+            assert kind is WorkspaceKind.FORWARD_ONLY and life is Lifetime.CALL
+        assert workspace_kind(plan, from_cache=True) is WorkspaceKind.CACHED
+
+    holds_for_each(check, selected_plans())
 
 
-@given(contexts(sharding=st.just(Sharding.FSDP2_RESHARD), weight=st.just(WeightSource.HIGH_PRECISION)))
-def test_under_fsdp2_resharding_no_forward_workspace_outlives_the_step(ctx):
+def test_under_fsdp2_resharding_no_forward_workspace_outlives_the_step():
     """TE#2681 in attribution terms: nothing the plan makes in forward is kept across steps."""
-    plan = select_policy(ctx).plan(ctx)
-    assert expected_lifetime(workspace_kind(plan, from_cache=False), plan).ends_by_step
+    def check(ctx, plan):
+        if ctx.sharding is Sharding.FSDP2_RESHARD and ctx.weight is WeightSource.HIGH_PRECISION:
+            assert expected_lifetime(workspace_kind(plan, from_cache=False), plan).ends_by_step
+
+    holds_for_each(check, selected_plans())
 
 
 def test_parameter_columnwise_lifetimes():

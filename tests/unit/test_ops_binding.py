@@ -202,8 +202,8 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
     import itertools
     from pathlib import Path
 
-    from workspace_manager import (PROFILES, BackwardOverride, CallShape, Microbatch, RecomputePass, RecomputeScope,
-                                   WeightSource, named_policy, plan_call)
+    from workspace_manager import (PROFILES, BackwardOverride, Microbatch, RecomputePass, RecomputeScope,
+                                   WeightSource, WorkspaceContext, named_policy, plan_call)
 
     path = Path(__file__).resolve().parents[2] / "te_integration" / "_plan_support_ops.py"
     spec = importlib.util.spec_from_file_location("_plan_support_ops", path)
@@ -217,14 +217,15 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
             (True, False), (None, "high_precision", "dequantized"), tuple(WeightSource)[:2], tuple(RecomputePass)):
         if recompute is RecomputePass.RECOMPUTE and not grad:
             continue  # no such call: a recompute pass feeds a backward
-        call = CallShape(capabilities=caps, sharding=sharding, recompute=recompute,
-                         recompute_scope=RecomputeScope.REGION, grad_enabled=grad, input_requires_grad=input_grad,
-                         weight=weight, microbatch=Microbatch.NONE, backward_override=BackwardOverride.from_te(override))
+        ctx = WorkspaceContext(capabilities=caps, sharding=sharding, recompute=recompute,
+                               recompute_scope=RecomputeScope.REGION, grad_enabled=grad, input_requires_grad=input_grad,
+                               weight=weight, microbatch=Microbatch.NONE,
+                               backward_override=BackwardOverride.from_te(override))
         try:
-            planned = plan_call(named_policy(name) if name else None, call)
+            plan = plan_call(ctx, named_policy(name) if name else None)
         except PolicyMismatchError:
             continue  # the policy does not cover this context (a pinned FSDP2 policy on a whole weight)
-        assert rules.ops_unsupported_reason(planned.context, planned.plan) is None, (name, planned.context)
+        assert rules.ops_unsupported_reason(ctx, plan) is None, (name, ctx)
         checked += 1
     assert checked > 1000
 

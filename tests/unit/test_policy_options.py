@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from _spaces import every_context, holds_for_each
 
 import workspace_manager as wm
 from workspace_manager import (
@@ -37,11 +36,14 @@ from workspace_manager import (
 )
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, FLOAT8_DELAYED_SCALING
 from workspace_manager.testing.invariants import every_option_on
-from workspace_manager.testing.strategies import contexts
 
 CACHE = FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)
 FSDP2 = FSDP2WorkspacePolicy()
-FSDP2_SHARDINGS = st.sampled_from([Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])
+
+
+def _fsdp2_contexts(*passes: RecomputePass):
+    """Every FSDP2 context (``_spaces``) in one of ``passes``."""
+    return ((ctx,) for ctx in every_context() if ctx.sharding.is_fsdp2 and ctx.recompute in passes)
 
 
 def test_the_options_are_public_enums_and_off_by_default():
@@ -63,12 +65,13 @@ def test_an_option_must_be_a_member_of_its_enum(make):
         make()
 
 
-def test_policies_with_other_options_are_other_keys_of_the_plan_memo():
-    """Bindings memoize plans per (pinned policy, call shape)."""
+def test_policies_with_other_options_are_other_policies():
+    """A binding's memo is per module and emptied when its pinned policy
+    changes; a policy with an option on is another value, and plans otherwise."""
     assert CACHE != FSDP2 and hash(CACHE) != hash(FSDP2)
-    shape = wm.CallShape(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=Microbatch.FIRST)
-    assert plan_call(FSDP2, shape).plan.cache is CacheAction.BYPASS
-    assert plan_call(CACHE, shape).plan.cache is CacheAction.FILL
+    ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.FSDP2_KEEP, microbatch=Microbatch.FIRST)
+    assert plan_call(ctx, FSDP2).cache is CacheAction.BYPASS
+    assert plan_call(ctx, CACHE).cache is CacheAction.FILL
 
 
 def _caches(ctx: WorkspaceContext) -> bool:
@@ -77,16 +80,18 @@ def _caches(ctx: WorkspaceContext) -> bool:
             and not ctx.is_quantized_param and ctx.microbatch is not Microbatch.NONE)
 
 
-@given(contexts(sharding=FSDP2_SHARDINGS, recompute=st.just(RecomputePass.NONE)))
-def test_the_microbatch_cache_changes_only_the_calls_it_caches(ctx):
-    default, cached = FSDP2.plan(ctx), CACHE.plan(ctx)
-    assert default.cache is CacheAction.BYPASS and Release.CACHED_WORKSPACE not in default.release
-    if not _caches(ctx):
-        assert cached == default
-        return
-    assert cached.cache is (CacheAction.FILL if ctx.microbatch is Microbatch.FIRST else CacheAction.REUSE)
-    assert Release.CACHED_WORKSPACE in cached.release
-    assert not default.saves_quantized  # as TE: nothing outlives the microbatch's forward
+def test_the_microbatch_cache_changes_only_the_calls_it_caches():
+    def check(ctx):
+        default, cached = FSDP2.plan(ctx), CACHE.plan(ctx)
+        assert default.cache is CacheAction.BYPASS and Release.CACHED_WORKSPACE not in default.release
+        if not _caches(ctx):
+            assert cached == default
+            return
+        assert cached.cache is (CacheAction.FILL if ctx.microbatch is Microbatch.FIRST else CacheAction.REUSE)
+        assert Release.CACHED_WORKSPACE in cached.release
+        assert not default.saves_quantized  # as TE: nothing outlives the microbatch's forward
+
+    assert holds_for_each(check, _fsdp2_contexts(RecomputePass.NONE)) > 1_000
 
 
 def test_the_default_fsdp2_policy_is_what_select_policy_picks():
@@ -108,18 +113,21 @@ def _builds_once(ctx: WorkspaceContext) -> bool:
             and ctx.backward_override is not wm.BackwardOverride.HIGH_PRECISION)
 
 
-@given(contexts(sharding=FSDP2_SHARDINGS, recompute=st.sampled_from([RecomputePass.FIRST, RecomputePass.RECOMPUTE])))
-def test_building_once_changes_only_the_region_passes_of_exact_formats(ctx):
+def test_building_once_changes_only_the_region_passes_of_exact_formats():
     default = RecomputeWorkspacePolicy(inner=FSDP2)
     once = replace(default, recompute_copy=RecomputeCopy.BUILD_ONCE)
-    plan, asked = default.plan(ctx), once.plan(ctx)
-    if not _builds_once(ctx):
-        assert asked == plan
-        return
-    assert asked != plan
-    if ctx.recompute is RecomputePass.RECOMPUTE:
-        assert plan.backward_source is BackwardSource.REQUANTIZE and Usage.COLUMNWISE not in plan.forward_usage
-        assert asked.backward_source is BackwardSource.SAVED_WORKSPACE
+
+    def check(ctx):
+        plan, asked = default.plan(ctx), once.plan(ctx)
+        if not _builds_once(ctx):
+            assert asked == plan
+            return
+        assert asked != plan
+        if ctx.recompute is RecomputePass.RECOMPUTE:
+            assert plan.backward_source is BackwardSource.REQUANTIZE and Usage.COLUMNWISE not in plan.forward_usage
+            assert asked.backward_source is BackwardSource.SAVED_WORKSPACE
+
+    assert holds_for_each(check, _fsdp2_contexts(RecomputePass.FIRST, RecomputePass.RECOMPUTE)) > 1_000
 
 
 def test_building_once_leaves_whole_weights_and_a_modules_own_recompute_alone():

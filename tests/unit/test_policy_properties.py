@@ -1,144 +1,121 @@
-"""Hypothesis properties every plan of every shipped policy must have.
+"""Properties every plan of every shipped policy must have, on every context.
 
 The properties themselves live in ``workspace_manager.testing.invariants``,
 shipped with the package, so that ``check_quantizer`` runs exactly these on
-a quantizer author's capabilities. Each test draws the contexts its
-property is about and calls the invariant.
+a quantizer author's capabilities. The contexts are finitely many
+(``_spaces``): each test checks its property on all of them, with every
+shipped policy that plans each, rather than on drawn examples. An invariant
+returns at once on a context it is not about.
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from _spaces import FLAG_SETS, covering_plans, every_context, holds_for_each, selected_plans
 
-from workspace_manager import (
-    BackwardOverride,
-    CacheAction,
-    RecomputePass,
-    Sharding,
-    Usage,
-    WeightSource,
-    select_policy,
-)
+from workspace_manager import CacheAction, Sharding, Usage, select_policy
 from workspace_manager.testing import invariants as inv
-from workspace_manager.testing.strategies import ALL_POLICIES, capabilities, contexts, covering_policies
 
 
-def _check(invariant, pair) -> None:
-    policy, ctx = pair
-    invariant(policy, ctx, policy.plan(ctx))
+def _check(invariant) -> None:
+    """``invariant`` holds for every plan of every shipped policy that plans a context."""
+    assert holds_for_each(invariant, covering_plans()) > 100_000
 
 
-@given(covering_policies(contexts(sharding=st.just(Sharding.FSDP2_RESHARD))))
-def test_fsdp2_resharding_after_forward_never_caches(pair):
-    _check(inv.fsdp2_resharding_never_caches, pair)
+def test_fsdp2_resharding_after_forward_never_caches():
+    _check(inv.fsdp2_resharding_never_caches)
 
 
-@given(covering_policies(contexts(sharding=st.just(Sharding.FSDP2_RESHARD), weight=st.just(WeightSource.HIGH_PRECISION))))
-def test_fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(pair):
+def test_fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass():
     """TE#2681: a layer's quantized copy must not wait for backward. (A
     recompute pass feeds the backward that follows at once; a non-reentrant
     first pass saves what checkpointing drops and the recompute pass rebuilds.)"""
-    _check(inv.fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass, pair)
+    _check(inv.fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass)
 
 
-@given(covering_policies())
-def test_never_derives_what_the_format_cannot_derive(pair):
-    _check(inv.never_derives_what_the_format_cannot_derive, pair)
+def test_never_derives_what_the_format_cannot_derive():
+    _check(inv.never_derives_what_the_format_cannot_derive)
 
 
-@given(covering_policies())
-def test_a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild(pair):
-    _check(inv.a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild, pair)
+def test_a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild():
+    _check(inv.a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild)
 
 
-@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
-def test_recompute_passes_never_write_a_cache(pair):
-    _check(inv.recompute_passes_never_write_a_cache, pair)
+def test_recompute_passes_never_write_a_cache():
+    _check(inv.recompute_passes_never_write_a_cache)
 
 
-@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
-def test_recompute_passes_quantize_once(pair):
+def test_recompute_passes_quantize_once():
     """The recompute pass's workspace feeds the backward that follows at once,
     so it is never requantized there (unless backward gathers the weight anyway)."""
-    _check(inv.recompute_passes_quantize_once, pair)
+    _check(inv.recompute_passes_quantize_once)
 
 
-@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
-def test_inexact_region_recompute_rebuilds_as_the_inner_policy(pair):
+def test_inexact_region_recompute_rebuilds_as_the_inner_policy():
     """Identical numerics with delayed scaling under FSDP2 and te.checkpoint."""
-    _check(inv.inexact_region_recompute_rebuilds_as_the_inner_policy, pair)
+    _check(inv.inexact_region_recompute_rebuilds_as_the_inner_policy)
 
 
-@given(covering_policies(contexts(recompute=st.just(RecomputePass.RECOMPUTE))))
-def test_region_recompute_rebuilds_as_te_unless_asked_to_build_once(pair):
+def test_region_recompute_rebuilds_as_te_unless_asked_to_build_once():
     """No peak over stock by default under FSDP2 and te.checkpoint (D3)."""
-    _check(inv.region_recompute_rebuilds_as_te_unless_asked_to_build_once, pair)
+    _check(inv.region_recompute_rebuilds_as_te_unless_asked_to_build_once)
 
 
-@given(covering_policies())
-def test_no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(pair):
-    _check(inv.no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache, pair)
+def test_no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache():
+    _check(inv.no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache)
 
 
-@given(covering_policies())
-def test_columnwise_built_in_forward_is_used(pair):
+def test_columnwise_built_in_forward_is_used():
     """No waste: columnwise data built in forward is saved for dgrad or kept in a cache."""
-    _check(inv.columnwise_built_in_forward_is_used, pair)
+    _check(inv.columnwise_built_in_forward_is_used)
 
 
-@given(covering_policies())
-def test_plans_are_deterministic_and_hashable(pair):
-    _check(inv.plans_are_deterministic_and_hashable, pair)
+def test_plans_are_deterministic_and_hashable():
+    _check(inv.plans_are_deterministic_and_hashable)
 
 
-@given(covering_policies(contexts(weight=st.just(WeightSource.QUANTIZED_PARAM))))
-def test_quantized_parameters_are_never_cached_or_requantized(pair):
-    _check(inv.quantized_parameters_are_never_cached_or_requantized, pair)
+def test_quantized_parameters_are_never_cached_or_requantized():
+    _check(inv.quantized_parameters_are_never_cached_or_requantized)
 
 
-@given(covering_policies())
-def test_sharded_caches_do_not_outlive_the_step(pair):
-    _check(inv.sharded_caches_do_not_outlive_the_step, pair)
+def test_sharded_caches_do_not_outlive_the_step():
+    _check(inv.sharded_caches_do_not_outlive_the_step)
 
 
-@given(covering_policies(contexts(sharding=st.sampled_from([Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP]),
-                                  weight=st.just(WeightSource.QUANTIZED_PARAM))))
-def test_fsdp2_derived_data_is_released_whenever_backward_runs(pair):
+def test_fsdp2_derived_data_is_released_whenever_backward_runs():
     """TE#2717: the backward gather derives columnwise data in memory FSDP2 cannot free."""
-    _check(inv.fsdp2_derived_data_is_released_whenever_backward_runs, pair)
+    _check(inv.fsdp2_derived_data_is_released_whenever_backward_runs)
 
 
-@given(covering_policies())
-def test_derived_data_is_released_only_for_formats_that_cache_it(pair):
-    _check(inv.derived_data_is_released_only_for_formats_that_cache_it, pair)
+def test_derived_data_is_released_only_for_formats_that_cache_it():
+    _check(inv.derived_data_is_released_only_for_formats_that_cache_it)
 
 
-@given(covering_policies(contexts(backward_override=st.just(BackwardOverride.HIGH_PRECISION))))
-def test_high_precision_override_keeps_no_quantized_weight_for_backward(pair):
-    _check(inv.high_precision_override_keeps_no_quantized_weight_for_backward, pair)
+def test_high_precision_override_keeps_no_quantized_weight_for_backward():
+    _check(inv.high_precision_override_keeps_no_quantized_weight_for_backward)
 
 
-@given(covering_policies(contexts(capabilities=capabilities().filter(lambda c: not c.requantization_safe))))
-def test_plans_that_requantize_an_unsafe_format_say_so(pair):
-    _check(inv.unsafe_requantization_is_noted, pair)
+def test_plans_that_requantize_an_unsafe_format_say_so():
+    _check(inv.unsafe_requantization_is_noted)
 
 
-@given(contexts())
-def test_inference_has_no_backward(ctx):
-    policy = select_policy(ctx)
-    inv.inference_has_no_backward(policy, ctx, policy.plan(ctx))
+def test_inference_has_no_backward():
+    """For the policy select_policy picks (the others are checked above, with the plan invariants)."""
+    def check(ctx, plan):
+        inv.inference_has_no_backward(None, ctx, plan)
+
+    assert holds_for_each(check, selected_plans()) > 10_000
 
 
-@given(contexts())
-def test_select_policy_covers_every_valid_context(ctx):
-    inv.select_policy_covers_every_valid_context(ctx)
+def test_select_policy_covers_every_valid_context():
+    assert holds_for_each(inv.select_policy_covers_every_valid_context, ((ctx,) for ctx in every_context())) > 10_000
 
 
-@given(contexts(), st.sampled_from(ALL_POLICIES))
-def test_a_policy_refuses_exactly_the_contexts_it_does_not_cover(ctx, policy):
-    inv.a_policy_refuses_exactly_the_contexts_it_does_not_cover(ctx, (policy,))
+def test_a_policy_refuses_exactly_the_contexts_it_does_not_cover():
+    """Every shipped policy on every context. Whether a policy covers a
+    context does not depend on the quantizer's name: one name suffices."""
+    cases = ((ctx,) for ctx in every_context(FLAG_SETS))
+    assert holds_for_each(inv.a_policy_refuses_exactly_the_contexts_it_does_not_cover, cases) > 5_000
 
 
 def test_every_shipped_invariant_has_a_property_test_here():
@@ -165,28 +142,33 @@ def test_the_invariants_can_fail():
         inv.fsdp2_resharding_never_caches(select_policy(ctx), ctx, caching)
     with pytest.raises(AssertionError, match="saves backward_source=saved_workspace"):
         inv.fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(select_policy(ctx), ctx, caching)
+    # ...and a loop over the contexts names the one it failed for.
+    with pytest.raises(AssertionError, match=r"cache=fill\n  failed for: FSDP2WorkspacePolicy\(.*sharding=<Sharding.FSDP2"):
+        holds_for_each(inv.fsdp2_resharding_never_caches, [(select_policy(ctx), ctx, caching)])
 
 
-@given(covering_policies())
-def test_sharded_quantized_parameters_keep_only_what_their_gather_needs(pair):
+def test_sharded_quantized_parameters_keep_only_what_their_gather_needs():
     """Issue 7: an FSDP2 shard of a derivable format keeps rowwise data only
     (TE's hooks gather rowwise data and derive the rest); a format that
     cannot derive keeps both, since its gather sends both; whole parameters
     keep TE's behaviour; high-precision weights keep no quantized copy."""
-    policy, ctx = pair
-    keeps = policy.plan(ctx).parameter_keeps
-    if not ctx.is_quantized_param:
-        assert keeps is Usage.NONE
-    elif ctx.sharding.is_fsdp2 and ctx.capabilities.columnwise_derivable:
-        assert keeps is Usage.ROWWISE
-    else:
-        assert keeps is Usage.BOTH
+    def check(policy, ctx, plan):
+        keeps = plan.parameter_keeps
+        if not ctx.is_quantized_param:
+            assert keeps is Usage.NONE
+        elif ctx.sharding.is_fsdp2 and ctx.capabilities.columnwise_derivable:
+            assert keeps is Usage.ROWWISE
+        else:
+            assert keeps is Usage.BOTH
+
+    holds_for_each(check, covering_plans())
 
 
-@given(covering_policies(contexts(sharding=st.just(Sharding.FSDP2_KEEP))))
-def test_fsdp2_caches_only_what_requantizes_exactly(pair):
+def test_fsdp2_caches_only_what_requantizes_exactly():
     """Stock TE quantizes every microbatch again under FSDP2; a cached
     workspace gives the same numbers only if requantizing is exact."""
-    policy, ctx = pair
-    if policy.plan(ctx).cache is not CacheAction.BYPASS:
-        assert ctx.capabilities.requantization_safe
+    def check(policy, ctx, plan):
+        if ctx.sharding is Sharding.FSDP2_KEEP and plan.cache is not CacheAction.BYPASS:
+            assert ctx.capabilities.requantization_safe
+
+    holds_for_each(check, covering_plans())

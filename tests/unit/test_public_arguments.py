@@ -76,7 +76,7 @@ def _classes(model: torch.nn.Module) -> list[type]:
     [
         (dict(model=3), r"convert_model: model must be a torch.nn.Module; received int"),
         (dict(module_filter="all"), r"convert_model: module_filter must be callable or None; received str"),
-        (dict(policy="fsdp2"), r"convert_model: policy must be a WorkspacePolicy .* received str"),
+        (dict(policy="fsdp2"), r"convert_model: policy must be a Policy .* received str"),
         (dict(policy=FSDP2WorkspacePolicy), r"received the class FSDP2WorkspacePolicy\. Pass an instance: "
                                             r"FSDP2WorkspacePolicy\(\)"),
     ],
@@ -152,10 +152,10 @@ def test_set_workspace_policy_names_the_bad_argument(ti):
     managed = ti.Linear()
     pinned = WorkspacePolicy()
     ti.set_workspace_policy(managed, pinned)
-    with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a WorkspacePolicy"):
+    with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a Policy"):
         ti.set_workspace_policy(managed, {"cache": True})
     assert managed.workspace_policy is pinned  # the refused call left the pinned policy
-    with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a WorkspacePolicy"):
+    with pytest.raises(TypeError, match=r"set_workspace_policy: policy must be a Policy instance"):
         ti.set_workspace_policy(managed, WorkspacePolicy)  # the class, not an instance
     assert managed.workspace_policy is pinned
     ti.set_workspace_policy(managed, None)

@@ -9,13 +9,10 @@ without grad) or the recompute pass that a non-reentrant first pass replays.
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 
 from workspace_manager import (
     PROFILES,
-    CallShape,
     FSDP2WorkspacePolicy,
     RecomputePass,
     RecomputeWorkspacePolicy,
@@ -79,13 +76,13 @@ def test_planning_a_call_outside_recompute_builds_no_context(built):
             assert built[0] == 0, (policy, ctx)
 
 
-def test_the_bindings_path_builds_the_call_plus_at_most_two(built):
-    plan_call.cache_clear()
+def test_the_bindings_path_builds_at_most_two_beyond_the_call(built):
+    """``plan_call`` plans from the context the binding built: it builds no
+    copy of it, only what the recompute policy derives."""
     pinned = FSDP2WorkspacePolicy()
     for ctx in _recompute_contexts():
         if ctx.sharding not in pinned.shardings:
             continue
-        shape = CallShape(**{f.name: getattr(ctx, f.name) for f in fields(ctx)})
         built[0] = 0
-        plan_call(pinned, shape)
-        assert built[0] <= 1 + MAX_PER_PLAN, ctx
+        plan_call(ctx, pinned)
+        assert built[0] <= MAX_PER_PLAN, ctx

@@ -31,7 +31,7 @@ import torch
 
 from .._context import QuantizerCapabilities, WorkspaceContext
 from .._errors import InvalidCapabilitiesError, KitArgumentError, UnknownQuantizerError
-from .._explain import DecisionRow
+from .._explain_layout import setting_words
 from .._plan import WorkspacePlan
 from .._policy import WorkspacePolicy
 from .._registry import QuantizerRegistry, default_registry, qualified_name
@@ -197,4 +197,4 @@ def _run_invariant(invariant: Callable[..., None], cases: list[tuple[Any, Worksp
 
 
 def _setting(ctx: WorkspaceContext) -> str:
-    return DecisionRow("", ctx, None).setting()  # type: ignore[arg-type]
+    return setting_words(ctx)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .._context import QuantizerCapabilities, RecomputePass, Sharding, WeightSource, WorkspaceContext
 from .._plan import BackwardSource, CacheAction, Release, Usage, WorkspacePlan
-from .._policy import WorkspacePolicy
+from .._policy import Policy
 from .._selection import resolve_policy
 
 __all__ = [
@@ -212,7 +212,7 @@ class ModuleRuntime:
         *,
         sharding: Sharding = Sharding.NONE,
         weight: WeightSource = WeightSource.HIGH_PRECISION,
-        pinned: WorkspacePolicy | None = None,
+        pinned: Policy | None = None,
         freshness: Freshness = Freshness.FULL,
     ) -> None:
         self.quantizer = quantizer
@@ -254,8 +254,7 @@ class ModuleRuntime:
         pending = self.pending.pop()
         if pending.ctx.recompute is RecomputePass.FIRST:
             # te.checkpoint: replay the forward, then run its backward at once.
-            replay = replace_recompute(pending.ctx)
-            self.forward(replay)
+            self.forward(pending.ctx.as_recompute_pass())
             return self.backward()
         self._run_backward(pending)
         return pending.plan
@@ -470,7 +469,3 @@ class ModuleRuntime:
             ids.add(self.cache.ident)
         return ids
 
-
-def replace_recompute(ctx: WorkspaceContext) -> WorkspaceContext:
-    """The recompute-pass context that replays a first-pass call."""
-    return replace(ctx, recompute=RecomputePass.RECOMPUTE, grad_enabled=True)

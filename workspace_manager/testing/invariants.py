@@ -34,6 +34,7 @@ from .._policy import (
     KeepForBackwardWorkspacePolicy,
     LeanWorkspacePolicy,
     MicrobatchCache,
+    Policy,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -79,7 +80,7 @@ class InvariantViolation(AssertionError):
     """A plan (or a policy's choice of contexts) broke an invariant."""
 
 
-PlanInvariant = Callable[[WorkspacePolicy, WorkspaceContext, WorkspacePlan], None]
+PlanInvariant = Callable[[Policy, WorkspaceContext, WorkspacePlan], None]
 ContextInvariant = Callable[[WorkspaceContext], None]
 
 _CACHE = MicrobatchCache.EXACT_FORMATS
@@ -90,7 +91,7 @@ _BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(),
                                       KeepForBackwardWorkspacePolicy(microbatch_cache=_CACHE))
 #: Every policy the core ships, with and without its options, recompute
 #: wrappers (with either ``recompute_copy``) included.
-SHIPPED_POLICIES: tuple[WorkspacePolicy, ...] = _BASE + tuple(
+SHIPPED_POLICIES: tuple[Policy, ...] = _BASE + tuple(
     RecomputeWorkspacePolicy(inner=p, recompute_copy=copy) for copy in RecomputeCopy for p in _BASE
 )
 
@@ -116,7 +117,7 @@ def all_contexts(capabilities: QuantizerCapabilities) -> Iterator[WorkspaceConte
     return valid_contexts(capabilities)
 
 
-def covering(ctx: WorkspaceContext) -> list[WorkspacePolicy]:
+def covering(ctx: WorkspaceContext) -> list[Policy]:
     """The shipped policies that plan ``ctx``, and the one select_policy picks."""
     found = [p for p in SHIPPED_POLICIES if p.covers(ctx)]
     selected = select_policy(ctx)
@@ -124,14 +125,14 @@ def covering(ctx: WorkspaceContext) -> list[WorkspacePolicy]:
 
 
 # -- plan invariants ----------------------------------------------------------
-def fsdp2_resharding_never_caches(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def fsdp2_resharding_never_caches(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """Under FSDP2 with reshard_after_forward=True no workspace is cached (TE#2681)."""
     if ctx.sharding is Sharding.FSDP2_RESHARD:
         _require(plan.cache is CacheAction.BYPASS, f"FSDP2 resharding planned cache={plan.cache.value}")
 
 
 def fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """TE#2681: a layer's quantized copy of a high-precision weight must not
     wait for backward. (A recompute pass feeds the backward that follows at
@@ -149,14 +150,14 @@ def fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(
         _require(not plan.saves_quantized, f"FSDP2 resharding saves backward_source={plan.backward_source.value}")
 
 
-def _keeps_for_backward(policy: WorkspacePolicy) -> bool:
+def _keeps_for_backward(policy: Policy) -> bool:
     """The policy (or, for a recompute wrapper, its inner one) keeps forward's copy under FSDP2 on purpose."""
     inner = policy.inner if isinstance(policy, RecomputeWorkspacePolicy) else policy
     return isinstance(inner, KeepForBackwardWorkspacePolicy)
 
 
 def never_derives_what_the_format_cannot_derive(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """Columnwise data is derived only from formats with columnwise_derivable=True."""
     if plan.columnwise_source is ColumnwiseSource.DERIVED:
@@ -164,7 +165,7 @@ def never_derives_what_the_format_cannot_derive(
 
 
 def a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """Backward always has a way to the quantized weight it reads."""
     if plan.backward_usage is Usage.NONE:
@@ -185,13 +186,13 @@ def a_plan_that_does_not_save_leaves_backward_a_way_to_rebuild(
         _require(not ctx.is_quantized_param, "requantizes a quantized parameter: nothing high precision to requantize from")
 
 
-def recompute_passes_never_write_a_cache(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def recompute_passes_never_write_a_cache(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """The recompute pass reads the cache but never writes it."""
     if ctx.recompute is RecomputePass.RECOMPUTE:
         _require(not plan.cache.writes, f"recompute pass planned cache={plan.cache.value}")
 
 
-def recompute_passes_quantize_once(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def recompute_passes_quantize_once(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """The recompute pass's workspace feeds the backward that follows at once,
     so it is not requantized there. Two exceptions: backward gathers the
     weight anyway, or a region's recompute pass whose inner policy rebuilds
@@ -204,7 +205,7 @@ def recompute_passes_quantize_once(policy: WorkspacePolicy, ctx: WorkspaceContex
     _require(plan.backward_source is not BackwardSource.REQUANTIZE, "recompute pass requantizes in backward")
 
 
-def _region_pass_of_an_inner_rebuild(policy: WorkspacePolicy, ctx: WorkspaceContext) -> bool:
+def _region_pass_of_an_inner_rebuild(policy: Policy, ctx: WorkspaceContext) -> bool:
     """A ``te.checkpoint`` recompute pass planned by a recompute wrapper
     whose inner policy quantizes again in backward for this call."""
     if not isinstance(policy, RecomputeWorkspacePolicy) or ctx.recompute is not RecomputePass.RECOMPUTE:
@@ -216,7 +217,7 @@ def _region_pass_of_an_inner_rebuild(policy: WorkspacePolicy, ctx: WorkspaceCont
 
 
 def inexact_region_recompute_rebuilds_as_the_inner_policy(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """Identical numerics: a region's recompute pass quantizes with the first
     pass's scale, so with a quantizer that does not requantize exactly it
@@ -232,7 +233,7 @@ def inexact_region_recompute_rebuilds_as_the_inner_policy(
 
 
 def region_recompute_rebuilds_as_te_unless_asked_to_build_once(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """No memory over stock by default: where the inner policy rebuilds in
     backward (FSDP2), a region's recompute pass saves no copy for backward,
@@ -250,7 +251,7 @@ def region_recompute_rebuilds_as_te_unless_asked_to_build_once(
 
 
 def no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """Without grad, columnwise data is built only to fill a cache the recompute pass reads."""
     if not ctx.grad_enabled and Usage.COLUMNWISE in plan.forward_usage:
@@ -260,7 +261,7 @@ def no_grad_builds_no_columnwise_unless_a_first_pass_fills_a_cache(
         )
 
 
-def columnwise_built_in_forward_is_used(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def columnwise_built_in_forward_is_used(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """No waste: columnwise data built in forward is saved for dgrad or kept in a cache."""
     if Usage.COLUMNWISE in plan.forward_usage:
         _require(
@@ -269,7 +270,7 @@ def columnwise_built_in_forward_is_used(policy: WorkspacePolicy, ctx: WorkspaceC
         )
 
 
-def plans_are_deterministic_and_hashable(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def plans_are_deterministic_and_hashable(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """Planning the same context again gives an equal plan (bindings memoize
     plans per call shape). Equal plans hash alike: WorkspacePlan is a frozen
     dataclass of enums, so that needs no check here."""
@@ -278,7 +279,7 @@ def plans_are_deterministic_and_hashable(policy: WorkspacePolicy, ctx: Workspace
 
 
 def quantized_parameters_are_never_cached_or_requantized(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """A quantized parameter is its own workspace."""
     if ctx.weight is WeightSource.QUANTIZED_PARAM:
@@ -286,14 +287,14 @@ def quantized_parameters_are_never_cached_or_requantized(
         _require(plan.backward_source is not BackwardSource.REQUANTIZE, "requantizes a quantized parameter")
 
 
-def sharded_caches_do_not_outlive_the_step(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def sharded_caches_do_not_outlive_the_step(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """A cached workspace of a sharded weight is dropped after the step."""
     if ctx.sharding is not Sharding.NONE and plan.cache is not CacheAction.BYPASS and ctx.recompute is not RecomputePass.FIRST:
         _require(Release.CACHED_WORKSPACE in plan.release, "caches a sharded weight without releasing the cache")
 
 
 def fsdp2_derived_data_is_released_whenever_backward_runs(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """TE#2717: the backward gather derives columnwise data in memory FSDP2
     cannot free, so quantized FSDP2 parameters of formats with derived
@@ -311,7 +312,7 @@ def fsdp2_derived_data_is_released_whenever_backward_runs(
 
 
 def derived_data_is_released_only_for_formats_that_cache_it(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """Release.DERIVED_COLUMNWISE appears only for derived_caches=True."""
     if Release.DERIVED_COLUMNWISE in plan.release:
@@ -319,7 +320,7 @@ def derived_data_is_released_only_for_formats_that_cache_it(
 
 
 def high_precision_override_keeps_no_quantized_weight_for_backward(
-    policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
 ) -> None:
     """backward_override="high_precision": backward reads no quantized weight."""
     if ctx.backward_override is not BackwardOverride.HIGH_PRECISION:
@@ -329,7 +330,7 @@ def high_precision_override_keeps_no_quantized_weight_for_backward(
         _require(Usage.COLUMNWISE not in plan.forward_usage, "builds columnwise data nothing reads")
 
 
-def inference_has_no_backward(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def inference_has_no_backward(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """Without grad nothing is kept for backward and nothing is released."""
     if not ctx.grad_enabled:
         _require(
@@ -338,7 +339,7 @@ def inference_has_no_backward(policy: WorkspacePolicy, ctx: WorkspaceContext, pl
         )
 
 
-def unsafe_requantization_is_noted(policy: WorkspacePolicy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+def unsafe_requantization_is_noted(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
     """A plan that requantizes dgrad's data with a requantization-unsafe format says so in its notes."""
     if plan.columnwise_source is ColumnwiseSource.REQUANTIZED and not ctx.capabilities.requantization_safe:
         _require(
@@ -356,7 +357,7 @@ def select_policy_covers_every_valid_context(ctx: WorkspaceContext) -> None:
 
 
 def a_policy_refuses_exactly_the_contexts_it_does_not_cover(
-    ctx: WorkspaceContext, policies: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES
+    ctx: WorkspaceContext, policies: tuple[Policy, ...] = SHIPPED_POLICIES
 ) -> None:
     """Each policy plans the contexts it covers and raises PolicyMismatchError, naming itself, on the others."""
     for policy in policies:
@@ -401,7 +402,7 @@ CONTEXT_INVARIANTS: tuple[ContextInvariant, ...] = (
 
 
 def check_policy(
-    policy: WorkspacePolicy, capabilities: QuantizerCapabilities | Iterable[QuantizerCapabilities]
+    policy: Policy, capabilities: QuantizerCapabilities | Iterable[QuantizerCapabilities]
 ) -> int:
     """Run every plan invariant on every plan ``policy`` makes: for each
     valid context with ``capabilities`` (one profile or several) whose

@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .._context import BackwardOverride, Microbatch, QuantizerCapabilities, RecomputePass, Sharding, WeightSource
-from .._policy import WorkspacePolicy
+from .._policy import Policy
 from ._adapter import QuantizerAdapter, QuantizerRuntime, versioned_weights
 from ._model import FakeQuantizer, Freshness, ModuleRuntime
 from ._protocol import QuantizerUnderTest
@@ -62,7 +62,7 @@ from .strategies import capabilities
 __all__ = ["WorkspaceLifecycleMachine"]
 
 
-def _pinned(sharding: Sharding, options: bool) -> WorkspacePolicy | None:
+def _pinned(sharding: Sharding, options: bool) -> Policy | None:
     """None (the manager selects per call), or every option on."""
     return every_option_on(sharding) if options else None
 
@@ -114,7 +114,7 @@ class WorkspaceLifecycleMachine(RuleBasedStateMachine):
         capabilities: QuantizerCapabilities,
         *,
         shape: tuple[int, int] = (128, 256),
-        policy: WorkspacePolicy | None = None,
+        policy: Policy | None = None,
     ) -> type[WorkspaceLifecycleMachine]:
         """A machine whose module quantizes with ``factory()`` (claiming
         ``capabilities``); live bytes are the quantizer's ``bytes_held``.

@@ -49,6 +49,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from .._context import (
     BackwardOverride,
@@ -59,7 +60,7 @@ from .._context import (
 )
 from .._errors import ContextTypeError, InvalidPlanError
 from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
-from .._policy import RecomputeWorkspacePolicy, _require_context, backward_usage
+from .._policy import Policy, _require_context, backward_usage
 
 __all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser", "PickedPlans", "FixedSharding"]
 
@@ -124,7 +125,7 @@ class PickedPlans:
 def replay_context(ctx: WorkspaceContext) -> WorkspaceContext | None:
     """The recompute pass a non-reentrant first pass must save like, or None."""
     if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
-        return replace(ctx, recompute=RecomputePass.RECOMPUTE)
+        return ctx.as_recompute_pass()
     return None
 
 
@@ -221,13 +222,14 @@ def meaningful_plans(ctx: WorkspaceContext, *, cache_filled: bool | None = None)
 
 
 @dataclass(frozen=True, eq=False)
-class DrawnPlanPolicy(RecomputeWorkspacePolicy):
+class DrawnPlanPolicy(Policy):
     """A policy that returns, for each context, the plan ``chooser`` picks
     from :func:`meaningful_plans`, once: later calls with the same context
     get the same plan, as from any pure policy.
 
-    It plans every sharding and recompute pass itself (a pinned recompute
-    policy is not wrapped again). Whether a cache read is meaningful is
+    It plans every sharding and recompute pass itself (its
+    ``recompute_passes`` are all of them, so a pinned one is not wrapped in
+    a RecomputeWorkspacePolicy). Whether a cache read is meaningful is
     taken from the plans it already returned: a later microbatch may read
     if the first microbatch of the same shape filled, a recompute pass if
     its first pass filled. A non-reentrant first pass takes its recompute
@@ -235,20 +237,18 @@ class DrawnPlanPolicy(RecomputeWorkspacePolicy):
     """
 
     chooser: PlanChooser | None = None
-    label = "drawn"
     _plans: dict = field(default_factory=dict, repr=False)
+    shardings: ClassVar[frozenset[Sharding]] = frozenset(Sharding)
+    recompute_passes: ClassVar[frozenset[RecomputePass]] = frozenset(RecomputePass)
+    label: ClassVar[str] = "drawn"
 
+    # Its plans are drawn, so two of them are never the same policy.
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
     def __post_init__(self) -> None:
         if not callable(self.chooser):
             raise ContextTypeError(f"DrawnPlanPolicy.chooser must be callable; received {self.chooser!r}")
-        # Every sharding, whatever ``inner`` (which it never asks).
-        object.__setattr__(self, "shardings", frozenset(Sharding))
-
-    def covers(self, ctx: WorkspaceContext) -> bool:
-        return True
 
     def check_context(self, ctx: WorkspaceContext) -> None:
         _require_context(self, ctx)

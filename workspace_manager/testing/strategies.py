@@ -22,7 +22,7 @@ from .._context import (
     WeightSource,
     WorkspaceContext,
 )
-from .._policy import WorkspacePolicy
+from .._policy import Policy, WorkspacePolicy
 from .._selection import select_policy
 from .._profiles import PROFILES
 from .invariants import SHIPPED_POLICIES
@@ -35,7 +35,7 @@ __all__ = [
 #: One instance of each non-recompute policy.
 BASE_POLICIES: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES[:3]
 #: Every policy the core ships, recompute wrappers included.
-ALL_POLICIES: tuple[WorkspacePolicy, ...] = SHIPPED_POLICIES
+ALL_POLICIES: tuple[Policy, ...] = SHIPPED_POLICIES
 
 
 @st.composite
@@ -82,12 +82,12 @@ def contexts(
     )
 
 
-def policies() -> st.SearchStrategy[WorkspacePolicy]:
+def policies() -> st.SearchStrategy[Policy]:
     return st.sampled_from(ALL_POLICIES)
 
 
 @st.composite
-def covering_policies(draw, contexts=contexts()) -> tuple[WorkspacePolicy, WorkspaceContext]:
+def covering_policies(draw, contexts=contexts()) -> tuple[Policy, WorkspaceContext]:
     """A context and a policy that plans it: the selected one, or any shipped
     policy that covers the context."""
     ctx = draw(contexts)
