@@ -41,7 +41,9 @@ from ._plan_support import recompute_mismatch_reason, unsupported_reason
 from ._plan_support_ops import ops_unsupported_reason
 from ._install import install as install_seams
 from ._install import uninstall as uninstall_seams
-from . import _explain_kinds  # noqa: F401  (names the module kinds in explain's legend)
+from ._kinds import register_with_explain
+
+register_with_explain()  # the kinds registered above, named in explain's legend
 
 __all__ = [
     "Linear",

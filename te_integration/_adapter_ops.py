@@ -42,51 +42,26 @@ from . import _compat as te
 from . import _compat_ops as te_ops
 from ._call import ACTIVE, CallRecord, new_record, recompute_pass
 from ._foreign_patches import SeamedName
-from ._plan_support import UnsupportedPlanError
-from ._plan_support_ops import ops_unsupported_reason
 from ._adapter_ops_grouped import grouped_backward_levers
 from ._rebuild import RebuildQuantizer
 from ._release import BackwardWork, run_backward
 from ._state import ModuleKind, state_of
 
-__all__ = ["OPS_KINDS", "check_levers", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names",
+__all__ = ["OPS_KINDS", "FunctionalForwardSeam", "FunctionalBackwardSeam", "ops_seamed_names",
            "FUSER_SEAM"]
 
 _LEDGER = _attribution.LEDGER
 _OPS_LINEAR, _OPS_GROUPED = ModuleKind.OPS_BASIC_LINEAR, ModuleKind.OPS_GROUPED_LINEAR
 #: The kinds whose records the fuser seam pushes.
 OPS_KINDS = frozenset({_OPS_LINEAR, _OPS_GROUPED})
-_NAMES = {_OPS_LINEAR: "te.ops.BasicLinear", _OPS_GROUPED: "te.ops.GroupedLinear"}
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
 _TE_FORWARD = te_ops.BasicLinear.__dict__["_functional_forward"].__func__
 _TE_BACKWARD = te_ops.BasicLinear.__dict__["_functional_backward"].__func__
-#: Levers already checked against the ops' rules, by id (kept alive here).
-_CHECKED: dict[int, object] = {}
-
-
-def check_levers(levers, kind: ModuleKind = _OPS_LINEAR) -> None:
-    """Raise :class:`UnsupportedPlanError` if te.ops cannot carry ``levers`` out (once per levers)."""
-    if _CHECKED.get(id(levers)) is not levers:
-        _check(levers, kind)
-
-
-def _check(levers, kind: ModuleKind) -> None:
-    reason = ops_unsupported_reason(levers.context, levers.plan)
-    if reason is not None:
-        raise UnsupportedPlanError(
-            f"TE 2.20's {_NAMES[kind]} cannot carry out the plan for {levers.key}: {reason}. Plan: "
-            f"{levers.plan.summary()}. Context: {levers.context}. Change the policy so that it plans this "
-            "context differently."
-        )
-    _CHECKED[id(levers)] = levers
-
-
-#: Levers of ``requantize`` plans for both usages under backward_override="dequantized", by id.
-_DEQUANTIZED_REBUILDS: dict[int, object] = {}
 
 
 def _rebuilds_for_dequantized(levers) -> bool:
-    return (levers.plan.backward_source is BackwardSource.REQUANTIZE
+    """A ``requantize`` plan for both usages under backward_override="dequantized"."""
+    return (levers.rebuild_usage is None and levers.plan.backward_source is BackwardSource.REQUANTIZE
             and levers.context.backward_override is BackwardOverride.DEQUANTIZED)
 
 
@@ -123,10 +98,6 @@ class FunctionalForwardSeam:
             recompute=recompute_pass() if te.recompute_flags._IN_ACTIVATION_RECOMPUTE_REGION else _NO_RECOMPUTE,
             scope=_REGION,
         )
-        if _CHECKED.get(id(levers)) is not levers:
-            _check(levers, _OPS_LINEAR)
-            if levers.rebuild_usage is None and _rebuilds_for_dequantized(levers):
-                _DEQUANTIZED_REBUILDS[id(levers)] = levers
         record.weights = (weight, levers)
         if levers.saves_no_workspace and not levers.is_quantized_param:
             kwargs["input_requires_grad"] = False  # rowwise only, and no workspace returned
@@ -188,7 +159,7 @@ def _edit_ctxs(func_ctx, opened: list) -> None:
         quantizer = getattr(op_ctx, "weight_quantizer", None)
         if quantizer is not None and levers.rebuild_usage is not None:
             op_ctx.weight_quantizer = record.state.backward_quantizer(levers, quantizer)
-        elif quantizer is not None and _DEQUANTIZED_REBUILDS.get(id(levers)) is levers:
+        elif quantizer is not None and _rebuilds_for_dequantized(levers):
             # Both usages under "dequantized": still a RebuildQuantizer, the
             # mark the backward seam rebuilds by (TE's backward would not).
             op_ctx.weight_quantizer = RebuildQuantizer(quantizer, levers.plan.backward_usage)

@@ -53,7 +53,7 @@ def _weights(op) -> tuple[tuple[str, ...], list]:
     return keys, [getattr(op, key) for key in keys]
 
 
-def _plan(op, record, kwargs, check) -> list:
+def _plan(op, record, kwargs) -> list:
     """``[(weight, levers)]`` for each group of the call."""
     keys, weights = _weights(op)
     quantizers = kwargs["weight_quantizers"]
@@ -66,18 +66,17 @@ def _plan(op, record, kwargs, check) -> list:
             input_requires_grad=input_rg, is_first_microbatch=None, backward_override=None, recompute=recompute,
             scope=_REGION,
         )
-        check(levers)
         planned.append((weight, levers))
     return planned
 
 
-def grouped_forward(op, te_method, kwargs: dict, check):
+def grouped_forward(op, te_method, kwargs: dict):
     """Run one of TE's forward paths of ``op`` as its plan says."""
     record = _record_of(op) if kwargs.get("with_quantized_compute") else None
     if (record is None or te.graph_flags._IS_GRAPH_CAPTURING or op._is_distributed_weight()
             or op.single_grouped_weight):
         return te_method(**kwargs)
-    planned = _plan(op, record, kwargs, check)
+    planned = _plan(op, record, kwargs)
     record.weights = tuple(item for pair in planned for item in pair)
     levers = planned[0][1]
     input_rg = kwargs["input_requires_grad"]

@@ -5,7 +5,8 @@ defined (``_modules`` for TE's modules, ``_modules_ops`` for te.ops's
 operations). Everything the binding lists per kind is derived from it:
 ``convert_model``'s table of TE classes to drop-ins, the names ``install``
 seams, the names ``managed_construction`` rebinds, and the parameters the
-budget counts as a module's GEMM weights. This module names no kind.
+budget counts as a module's GEMM weights, and the kinds ``explain``'s legend
+names (:func:`register_with_explain`). This module names no kind.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from workspace_manager import register_module_kind
+
 from ._foreign_patches import SeamedName
 from ._state import ModuleKind
 
-__all__ = ["KindEntry", "register", "entries", "entry_for", "drop_ins", "gemm_weight_names"]
+__all__ = ["KindEntry", "register", "entries", "entry_for", "refusal_of", "drop_ins", "gemm_weight_names", "register_with_explain"]
 
 
 def gemm_weight_names(module: Any) -> tuple[str, ...]:
@@ -42,6 +45,15 @@ class KindEntry:
     construction: tuple[tuple[Any, str], ...] = ()
     #: The parameters TE quantizes as a module's GEMM weights (the budget's count).
     gemm_weights: Callable[[Any], tuple[str, ...]] = gemm_weight_names
+    #: The kind as TE's users name its module, in ``explain``'s legend
+    #: (default: the drop-in's class name), and what one call plans where
+    #: that is more than one weight's plan ("" where it is not).
+    explain_name: str = ""
+    explain_note: str = ""
+    #: ``refusal(context, plan)``: why TE cannot carry out ``plan`` for this
+    #: kind beyond the rules every kind shares (``_plan_support``), or None.
+    #: Asked when a call shape is planned, so a refused plan never runs.
+    refusal: Callable[[Any, Any], str | None] | None = None
 
 
 _ENTRIES: dict[ModuleKind, KindEntry] = {}
@@ -74,6 +86,30 @@ def entry_for(kind: ModuleKind) -> KindEntry:
             "a kind registers its KindEntry where its drop-in class is defined") from None
 
 
+def refusal_of(kind: ModuleKind) -> tuple[str, Callable[[Any, Any], str | None]] | None:
+    """``(the kind's name, its refusal)``, or None: the kind has no refusal
+    of its own, or no entry (the package refuses to import without one for
+    every kind, see :func:`register_with_explain`; a partly loaded binding
+    in a test has none)."""
+    entry = _ENTRIES.get(kind)
+    if entry is None or entry.refusal is None:
+        return None
+    return entry.explain_name or entry.drop_in.__name__, entry.refusal
+
+
 def drop_ins() -> dict[type, type]:
     """TE's class -> its drop-in, for every registered kind."""
     return {entry.te_class: entry.drop_in for entry in _ENTRIES.values()}
+
+
+def register_with_explain() -> None:
+    """Name every kind in ``explain``'s legend (the core names no TE module),
+    in ``ModuleKind``'s order; refused while a kind has no entry, since the
+    legend would then leave a managed kind out."""
+    missing = [kind.name for kind in ModuleKind if kind not in _ENTRIES]
+    if missing:
+        raise RuntimeError(f"te_integration: module kinds without a registry entry: {', '.join(missing)}; each "
+                           "kind registers its KindEntry where its drop-in class is defined")
+    for kind in ModuleKind:
+        entry = _ENTRIES[kind]
+        register_module_kind(entry.explain_name or entry.drop_in.__name__, entry.explain_note)

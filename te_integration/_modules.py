@@ -156,7 +156,8 @@ def _register_module_kinds() -> None:
             raise ImportError(f"te_integration: the drop-in {drop_in.__name__} has no adapter for {drop_in._wm_kind}")
         register(KindEntry(kind=adapter.kind, te_class=adapter.te_class, drop_in=drop_in,
                            seams=functools.partial(_install.module_seams, adapter), construction=adapter.construction,
-                           gemm_weights=_gemm_weights_of(adapter)))
+                           gemm_weights=_gemm_weights_of(adapter),
+                           explain_note="one plan for all experts" if drop_in is GroupedLinear else ""))
 
 
 def _gemm_weights_of(adapter) -> Callable[[Any], tuple[str, ...]]:

@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 
 from . import _compat_ops as te_ops
 from . import _install
-from ._adapter_ops import check_levers, ops_seamed_names
+from ._adapter_ops import ops_seamed_names
 from ._adapter_ops_grouped import grouped_before_backward, grouped_forward
 from ._kinds import KindEntry, register
+from ._plan_support_ops import ops_unsupported_reason
 from ._managed_common import ManagedCommon
 from ._state import ModuleKind, ModuleWorkspaceState, state_of
 
@@ -51,10 +52,6 @@ class OpsBasicLinear(ManagedOp, te_ops.BasicLinear):
     _wm_kind = ModuleKind.OPS_BASIC_LINEAR
 
 
-def _check_grouped(levers) -> None:
-    check_levers(levers, ModuleKind.OPS_GROUPED_LINEAR)
-
-
 class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
     """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
     (each group's weight planned under its own key; see ``_adapter_ops_grouped``)."""
@@ -62,10 +59,10 @@ class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
     _wm_kind = ModuleKind.OPS_GROUPED_LINEAR
 
     def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
-        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs, _check_grouped)
+        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs)
 
     def _fuser_forward_grouped_tensor(self, **kwargs: Any) -> Any:
-        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs, _check_grouped)
+        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs)
 
     def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
         grouped_before_backward(basic_op_ctxs[0])
@@ -88,6 +85,9 @@ class OpsLinear(te_ops.OpsLinear):
 # file; the public names are ``te.ops.BasicLinear`` and ``te.ops.GroupedLinear``.
 register(KindEntry(kind=ModuleKind.OPS_BASIC_LINEAR, te_class=te_ops.BasicLinear, drop_in=OpsBasicLinear,
                    seams=ops_seamed_names,
-                   construction=((te_ops.ops_linear_module, "BasicLinear"), (te_ops.ops_package, "BasicLinear"))))
+                   construction=((te_ops.ops_linear_module, "BasicLinear"), (te_ops.ops_package, "BasicLinear")),
+                   explain_name="te.ops.BasicLinear", refusal=ops_unsupported_reason))  # te.ops.Linear's too (a note would not fit one screen)
 register(KindEntry(kind=ModuleKind.OPS_GROUPED_LINEAR, te_class=te_ops.GroupedLinear, drop_in=OpsGroupedLinear,
-                   seams=ops_seamed_names, construction=((te_ops.ops_package, "GroupedLinear"),)))
+                   seams=ops_seamed_names, construction=((te_ops.ops_package, "GroupedLinear"),),
+                   explain_name="te.ops.GroupedLinear", explain_note="one plan for all experts",
+                   refusal=ops_unsupported_reason))

@@ -45,7 +45,7 @@ from workspace_manager import (
 
 from . import _compat as te
 from ._levers import Levers, levers_from_plan
-from ._plan_support import require_same_passes, require_supported
+from ._plan_support import UnsupportedPlanError, require_same_passes, require_supported
 from ._freshness import STAMP, refresh_parameter
 from ._rebuild import RebuildQuantizer
 from ._step_hook import STEPS, ensure_hook, track
@@ -225,11 +225,24 @@ class ModuleWorkspaceState:
         )
         plan = plan_call(ctx, self._policy)
         require_supported(key, ctx, plan)
+        self._require_kind_supports(key, ctx, plan)
         if recompute is RecomputePass.FIRST and grad and scope is RecomputeScope.REGION:
             # Only a non-reentrant checkpoint's first pass runs with grad on:
             # its recompute pass must keep the same things (see _plan_support).
             require_same_passes(key, ctx, plan, plan_call(ctx.as_recompute_pass(), self._policy))
         return levers_from_plan(key, ctx, plan)
+
+    def _require_kind_supports(self, key: str, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+        """The kind's own refusals (its registry entry's), at planning."""
+        from ._kinds import refusal_of  # the registry imports this module
+
+        found = refusal_of(self.kind)
+        reason = found[1](ctx, plan) if found is not None else None
+        if reason is not None:
+            name = found[0]
+            raise UnsupportedPlanError(
+                f"TE 2.20's {name} cannot carry out the plan for {key}: {reason}. Plan: {plan.summary()}. "
+                f"Context: {ctx}. Change the policy so that it plans this context differently.")
 
     # -- what the latest call planned ----------------------------------------------
     def remember(self, levers: Levers) -> None:

@@ -68,3 +68,19 @@ def test_a_second_entry_for_a_kind_and_an_unknown_kind_are_refused_with_what_to_
             ti.kinds.entry_for(entry.kind)
     finally:
         ti.kinds.register(entry)
+
+
+def test_explain_is_told_every_kind_and_refused_while_one_has_no_entry(ti, monkeypatch):
+    import workspace_manager._explain as data
+
+    monkeypatch.setattr(data, "_MODULE_KINDS", {})
+    entry = ti.kinds.entry_for(ti.state.ModuleKind.GROUPED_LINEAR)
+    monkeypatch.delitem(ti.kinds._ENTRIES, entry.kind)
+    with pytest.raises(RuntimeError, match="module kinds without a registry entry: GROUPED_LINEAR"):
+        ti.kinds.register_with_explain()
+    assert data.registered_module_kinds() == ()  # refused before naming any
+    monkeypatch.setitem(ti.kinds._ENTRIES, entry.kind, entry)
+    ti.kinds.register_with_explain()
+    named = {k.name: k.note for k in data.registered_module_kinds()}
+    assert named["GroupedLinear"] == named["te.ops.GroupedLinear"] == "one plan for all experts"
+    assert len(named) == len(ti.state.ModuleKind)

@@ -136,6 +136,9 @@ def test_a_plan_te_ops_cannot_carry_out_is_refused_by_name(ti):
         _step(managed)
     text = str(err.value)
     assert "te.ops.BasicLinear" in text and "forward_usage=rowwise" in text and "Context" in text
+    # Refused where the shape is planned (the kind's registry entry), so the plan is never memoized.
+    assert any(frame.name == "_require_kind_supports" for frame in err.traceback)
+    assert ti.modules.workspace_state(managed).shapes_planned() == 0
 
 
 def _usages(usage: Usage) -> dict:
