@@ -44,7 +44,7 @@ from workspace_manager import (
 )
 
 from . import _compat as te
-from ._call import ACTIVE, GATHERED_WEIGHT, CallPart, is_distributed, recompute_pass
+from ._call import ACTIVE, ANY_WEIGHT, CallPart, is_distributed, recompute_pass
 from ._freshness import refresh_experts
 from ._functions import ModuleAdapter
 from ._plan_support import plan_refusal
@@ -89,7 +89,7 @@ def _begin(ctx, args: tuple):
     if levers.is_quantized_param and len(experts) > 1:
         refresh_experts(experts[1:])  # the first was checked by levers() (D12)
     # Every tensor TE quantizes in this call is one of its experts.
-    record.weights = (GATHERED_WEIGHT, levers)
+    record.weights = (ANY_WEIGHT, levers)
     # A distributed weight's slots are TE's own (it saves None and gathers again).
     part = record.part = ExpertCall()  # fields set here: an __init__ would be one call more per module call
     part.experts, part.index, part.saves_weights = experts, 0, levers.saves_no_workspace and not distributed

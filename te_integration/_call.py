@@ -27,7 +27,7 @@ from workspace_manager import RecomputePass, Sharding
 
 from . import _compat as te
 
-__all__ = ["ACTIVE", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass", "is_distributed",
+__all__ = ["ACTIVE", "ANY_WEIGHT", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass", "is_distributed",
            "refuse_reentry"]
 
 
@@ -115,6 +115,9 @@ ACTIVE = _ActiveCalls()
 #: Stands for a distributed weight's slot in a call's weights: TE quantizes
 #: the weight it gathered, a tensor the seams never see before.
 GATHERED_WEIGHT = object()
+#: Stands for every tensor the call quantizes, planned under one key
+#: (GroupedLinear's experts; its part lists them for their cache keys).
+ANY_WEIGHT = object()
 
 
 def refuse_reentry(module: Any) -> None:

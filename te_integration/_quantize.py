@@ -17,7 +17,7 @@ from workspace_manager import CacheAction
 
 from . import _attribution
 from . import _compat as te
-from ._call import ACTIVE, GATHERED_WEIGHT, CallRecord
+from ._call import ACTIVE, ANY_WEIGHT, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
 from ._step_hook import STEPS
@@ -34,10 +34,12 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     levers = None
     if record is not None:
         weights = record.weights
-        if weights and (weights[0] is tensor or weights[0] is GATHERED_WEIGHT):  # the common case: the first weight
-            levers = weights[1]
-        elif weights:
-            levers = _levers_of(weights, tensor)
+        if weights:
+            first = weights[0]
+            if first is tensor or first is GATHERED_WEIGHT or first is ANY_WEIGHT:  # the common case: the first
+                levers = weights[1]
+            else:
+                levers = _levers_of(weights, tensor)
     if levers is None or levers.is_quantized_param:
         # Quantized parameters are never cached (TE only adds the usages their
         # own quantizer holds), and everything unplanned is stock TE; spelled
