@@ -27,8 +27,8 @@ from workspace_manager import RecomputePass, Sharding
 
 from . import _compat as te
 
-__all__ = ["ACTIVE", "ANY_WEIGHT", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass", "is_distributed",
-           "refuse_reentry"]
+__all__ = ["ACTIVE", "ANY_WEIGHT", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass",
+           "is_distributed", "refuse_reentry"]
 
 
 class CallPart:

@@ -4,8 +4,9 @@ The seamed names are what each registered kind lists (``_kinds``): for a TE
 module kind, ``quantize_weight`` and the autograd Function in its TE module
 file (``_quantize`` and ``_functions``), and the further globals its adapter
 names (GroupedLinear's saving pair, ``_adapter_grouped``); for te.ops, the
-fuser Function and ``BasicLinear``'s two functional methods (``_adapter_ops``). Stock TE modules and the calls TE handles itself run TE's
-code through them unchanged. Install refuses, changing nothing, while
+fuser Function and ``BasicLinear``'s two functional methods (``_adapter_ops``).
+Stock TE modules and the calls TE handles itself run TE's code through them
+unchanged. Install refuses, changing nothing, while
 another library's patch holds one of those names (``_foreign_patches``).
 """
 

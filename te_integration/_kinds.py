@@ -4,9 +4,10 @@ Each kind registers one :class:`KindEntry` where its drop-in class is
 defined (``_modules`` for TE's modules, ``_modules_ops`` for te.ops's
 operations). Everything the binding lists per kind is derived from it:
 ``convert_model``'s table of TE classes to drop-ins, the names ``install``
-seams, the names ``managed_construction`` rebinds, and the parameters the
-budget counts as a module's GEMM weights, and the kinds ``explain``'s legend
-names (:func:`register_with_explain`). This module names no kind.
+seams, the names ``managed_construction`` rebinds, the parameters the budget
+counts as a module's GEMM weights, the TE modules attribution inspects, each
+kind's own plan refusals, and the kinds ``explain``'s legend names
+(:func:`register_with_explain`). This module names no kind.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from workspace_manager import register_module_kind
 from ._foreign_patches import SeamedName
 from ._state import ModuleKind
 
-__all__ = ["KindEntry", "register", "entries", "entry_for", "refusal_of", "drop_ins", "gemm_weight_names", "register_with_explain"]
+__all__ = ["KindEntry", "register", "entries", "entry_for", "refusal_of", "drop_ins", "gemm_weight_names",
+           "register_with_explain"]
 
 
 def gemm_weight_names(module: Any) -> tuple[str, ...]:

@@ -86,7 +86,8 @@ class OpsLinear(te_ops.OpsLinear):
 register(KindEntry(kind=ModuleKind.OPS_BASIC_LINEAR, te_class=te_ops.BasicLinear, drop_in=OpsBasicLinear,
                    seams=ops_seamed_names,
                    construction=((te_ops.ops_linear_module, "BasicLinear"), (te_ops.ops_package, "BasicLinear")),
-                   explain_name="te.ops.BasicLinear", refusal=ops_unsupported_reason))  # te.ops.Linear's too (a note would not fit one screen)
+                   # te.ops.Linear's too (a note saying so would not fit explain's one screen)
+                   explain_name="te.ops.BasicLinear", refusal=ops_unsupported_reason))
 register(KindEntry(kind=ModuleKind.OPS_GROUPED_LINEAR, te_class=te_ops.GroupedLinear, drop_in=OpsGroupedLinear,
                    seams=ops_seamed_names, construction=((te_ops.ops_package, "GroupedLinear"),),
                    explain_name="te.ops.GroupedLinear", explain_note="one plan for all experts",
