@@ -48,19 +48,21 @@ from ._call import ACTIVE, ANY_WEIGHT, CallPart, is_distributed, recompute_pass
 from ._freshness import refresh_experts
 from ._functions import ModuleAdapter
 from ._plan_support import plan_refusal
-from ._quantize import expert_keys
+from ._expert_quantize import quantize_experts
+from ._quantize import expert_index, expert_key_at, expert_keys
 from ._rebuild import quantize_with_usage
 from ._release import BackwardWork
 from ._saved_tensors import rowwise_parts
 from ._state import ModuleKind
 
-__all__ = ["GROUPED_LINEAR", "ExpertCall", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
+__all__ = ["GROUPED_LINEAR", "ExpertCall", "GroupedQuantization", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
 
 _GROUPED = ModuleKind.GROUPED_LINEAR
 _A = te.GROUPED_ARGS
 _FP8, _DEBUG, _OFFLOAD, _SKIP = _A["fp8"], _A["debug"], _A["cpu_offloading"], _A["skip_fp8_weight_update"]
 _GRAD, _FIRST, _QUANTIZERS, _SINGLE = (_A["is_grad_enabled"], _A["is_first_microbatch"], _A["weight_quantizers"],
                                        _A["single_grouped_weight"])
+_DTYPE = _A["activation_dtype"]
 _NO_RECOMPUTE, _REGION, _DISTRIBUTED = RecomputePass.NONE, RecomputeScope.REGION, Sharding.DISTRIBUTED_WEIGHT
 #: Where the experts' weights start in ``_GroupedLinear.forward``'s arguments.
 _FIRST_WEIGHT = 5
@@ -93,13 +95,19 @@ def _begin(ctx, args: tuple):
     # A distributed weight's slots are TE's own (it saves None and gathers again).
     part = record.part = ExpertCall()  # fields set here: an __init__ would be one call more per module call
     part.experts, part.index, part.saves_weights = experts, 0, levers.saves_no_workspace and not distributed
+    part.quantized = None
+    if (part.saves_weights and levers.cache is CacheAction.BYPASS and not levers.is_quantized_param
+            and not nta[_SINGLE] and first.dtype == nta[_DTYPE]):
+        # Nothing cached, nothing saved: every expert's workspace lives only
+        # in this forward, so all can come from one grouped quantization.
+        part.quantized = GroupedQuantization(part, nta[_QUANTIZERS], levers.forward_columnwise)
     return record, args
 
 
 class ExpertCall(CallPart):
     """A GroupedLinear call's own data (:attr:`CallRecord.part`), set by ``_begin``."""
 
-    __slots__ = ("experts", "index", "saves_weights")
+    __slots__ = ("experts", "index", "saves_weights", "quantized")
 
     #: The call's expert weights (one grouped weight, or one per expert),
     #: planned together under one key and cached under one key each.
@@ -110,6 +118,28 @@ class ExpertCall(CallPart):
     #: TE's saving helper gets the experts' high-precision weights in the
     #: slots of their workspaces (the plan saves no workspace).
     saves_weights: bool
+
+
+class GroupedQuantization:
+    """``part.quantized`` of a call whose experts are quantized at once
+    (``_expert_quantize``): at TE's first ``quantize_weight`` of the call,
+    every expert; then each call takes its own. ``(None, None)`` where no
+    grouped quantization is exact for these quantizers (the seam then
+    quantizes each expert as TE does)."""
+
+    __slots__ = ("part", "quantizers", "columnwise", "outs")
+
+    def __init__(self, part: ExpertCall, quantizers: list, columnwise: bool) -> None:
+        self.part, self.quantizers, self.columnwise, self.outs = part, quantizers, columnwise, None
+
+    def __call__(self, tensor) -> tuple:
+        outs = self.outs
+        if outs is None:
+            outs = self.outs = quantize_experts(self.quantizers, self.part.experts, True, self.columnwise)
+            if outs is None:
+                return None, None
+        index = expert_index(self.part, tensor)
+        return outs[index], expert_key_at(index)
 
 
 def _refuse_derived(levers) -> None:
