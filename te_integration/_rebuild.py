@@ -67,8 +67,7 @@ class Rebuild:
 
     def quantized_grouped(self, weight: Any, count: int) -> Any:
         """One grouped weight of ``count`` experts, quantized by TE's grouped
-        kernel as its forward does (a per-tensor quantizer cannot quantize
-        it). TE's grouped kernels build any usage alone."""
+        kernel as its forward quantizes it (``single_grouped_weight``)."""
         if weight is None:
             return None
         quantizer = self.quantizers[0]
@@ -105,8 +104,11 @@ class RebuildQuantizer(Rebuild):
     __slots__ = ("quantizer",)
 
     def __init__(self, quantizer: Any, usage: Usage) -> None:
-        super().__init__((quantizer,), usage)
-        self.quantizer = quantizer
+        # Rebuild's fields set here rather than through super().__init__: te.ops
+        # makes one per call under backward_override="dequantized", and each
+        # Python call there is host time per call.
+        self.quantizers, self.quantizer, self.usage = (quantizer,), quantizer, usage
+        self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
 
     def before_te_backward(self, ctx: Any, saved: Any) -> Any:
         """Nothing: TE's backward rebuilds the weight itself, calling this."""
