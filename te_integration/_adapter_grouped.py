@@ -19,9 +19,11 @@ plans that save no workspace:
   expert's high-precision weight in the slot of its workspace. Under FSDP2
   that is the unsharded parameter, whose storage FSDP2 frees after forward
   and gathers again before backward, as it does for TE's dense modules.
-* ``restore_from_func_ctx`` (:func:`managed_restore_from_func_ctx`) puts
-  the weights quantized again, with the plan's backward usages, back into
-  those slots before TE's backward reads them, where the plan requantizes.
+* ``restore_from_func_ctx`` (:func:`managed_restore_from_func_ctx`), TE's
+  first act in its backward, runs the before phase of the call's
+  ``BackwardWork``: where the plan requantizes, its :class:`ExpertRebuild`
+  puts the weights quantized again, with the plan's backward usages, back
+  into those slots before TE's backward reads them.
 
 On the grouped-tensor path with one grouped weight, TE quantizes without
 ``quantize_weight`` and keeps its own cache entry (``weight``): the seam's
@@ -40,7 +42,6 @@ from workspace_manager import (
     RecomputePass,
     RecomputeScope,
     Sharding,
-    Usage,
 )
 
 from . import _compat as te
@@ -50,12 +51,13 @@ from ._functions import ModuleAdapter
 from ._plan_support import plan_refusal
 from ._expert_quantize import quantize_experts
 from ._quantize import expert_index, expert_key_at, expert_keys
-from ._rebuild import quantize_with_usage
+from ._rebuild import Rebuild
 from ._release import BackwardWork
 from ._saved_tensors import rowwise_parts
 from ._state import ModuleKind
 
-__all__ = ["GROUPED_LINEAR", "ExpertCall", "GroupedQuantization", "managed_prepare_for_saving", "managed_restore_from_func_ctx"]
+__all__ = ["GROUPED_LINEAR", "ExpertCall", "ExpertRebuild", "GroupedQuantization", "managed_prepare_for_saving",
+           "managed_restore_from_func_ctx"]
 
 _GROUPED = ModuleKind.GROUPED_LINEAR
 _A = te.GROUPED_ARGS
@@ -154,10 +156,10 @@ def _refuse_derived(levers) -> None:
 
 def _edit_ctx(ctx, record, args: tuple) -> None:
     levers, part = record.weights[1], record.part
-    rebuild = None
+    before = None  # the before phase: the experts saved in high precision, quantized again
     if part.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
-        rebuild = _Rebuild(args[2][_QUANTIZERS], levers.plan.backward_usage)
-    if not levers.releases and rebuild is None:
+        before = ExpertRebuild(args[2][_QUANTIZERS], levers.plan.backward_usage).before_te_backward
+    if not levers.releases and before is None:
         ctx._te_wm_backward = None
         return
     experts = part.experts
@@ -165,46 +167,27 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
     if levers.release_cache:
         keys = ("weight",) if args[2][_SINGLE] else expert_keys(len(experts))
     ctx._te_wm_backward = BackwardWork(record.module, tuple(zip(experts, repeat(levers))) if levers.releases else (),
-                                       cache_keys=keys, rebuild=rebuild)
+                                       cache_keys=keys, before_te_backward=before)
 
 
-class _Rebuild:
-    """Backward's requantization of the experts saved in high precision."""
+class ExpertRebuild(Rebuild):
+    """GroupedLinear's part of the one rebuild (``_rebuild``): the experts
+    go back into the list of saved tensors TE's backward restored, in
+    either of TE's layouts, before it reads them."""
 
-    __slots__ = ("quantizers", "rowwise", "columnwise")
+    __slots__ = ()
 
-    def __init__(self, quantizers: list, usage: Usage) -> None:
-        self.quantizers = quantizers
-        self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
-
-    def __call__(self, ctx, saved: list) -> None:
+    def before_te_backward(self, ctx, saved: list) -> list:
         count = ctx.num_gemms
+        # The forward sets its quantizers' usages before each use, so the
+        # rebuild leaves them as it set them (restore=False).
         if not ctx.grouped_tensor_supported:  # split-quantize path: inputs, workspaces, weights, biases
-            saved[count:2 * count] = self._quantized(saved[count:2 * count])
+            saved[count:2 * count] = self.quantized(saved[count:2 * count], False)
         elif ctx.single_grouped_weight:  # grouped-tensor path: input, weights, offsets
-            saved[1] = self._quantized_grouped(saved[1], count)
+            saved[1] = self.quantized_grouped(saved[1], count)
         else:
-            saved[1:1 + count] = self._quantized(saved[1:1 + count])
-
-    def _quantized(self, weights: list) -> list:
-        rowwise, columnwise = self.rowwise, self.columnwise
-        return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise, False)
-                for weight, quantizer in zip(weights, self.quantizers)]
-
-    def _quantized_grouped(self, weight, count: int):
-        """One grouped weight, quantized by TE's grouped kernel as its forward does."""
-        if weight is None:
-            return None
-        quantizer = self.quantizers[0]
-        # A non-reentrant checkpoint hands backward a detached alias, which
-        # may be a plain tensor over the grouped weight's data.
-        data = getattr(weight, "rowwise_data", None)
-        source = data.view(weight.logical_shape) if data is not None else weight
-        quantizer.set_usage(rowwise=self.rowwise, columnwise=self.columnwise)
-        try:
-            return te.tex.group_quantize(source, quantizer, count, None)
-        finally:
-            quantizer.set_usage(rowwise=True, columnwise=True)
+            saved[1:1 + count] = self.quantized(saved[1:1 + count], False)
+        return saved
 
 
 # -- the module globals of grouped_linear.py the seams replace ---------------------------
@@ -236,11 +219,15 @@ def _weights_in_workspace_slots(tensors: tuple, experts: tuple, count: int) -> t
 
 
 def managed_restore_from_func_ctx(ctx, return_saved_tensors: bool = False):
-    """TE's ``restore_from_func_ctx``, then the plan's rebuild of the weights saved in high precision."""
+    """TE's ``restore_from_func_ctx``, then the before phase of the call's
+    :class:`BackwardWork`: TE's backward calls this first, before it reads
+    any saved tensor."""
     out = te.restore_from_func_ctx(ctx, return_saved_tensors)
     work = getattr(ctx, "_te_wm_backward", None)
-    if work is not None and work.rebuild is not None:
-        work.rebuild(ctx, out[0] if return_saved_tensors else out)
+    if work is not None and work.before_te_backward is not None:  # nothing to do costs no call
+        # ExpertRebuild edits TE's list in place, so with return_saved_tensors
+        # the pair TE gets back holds the rebuilt list.
+        work.before_te_backward(ctx, out[0] if return_saved_tensors else out)
     return out
 
 

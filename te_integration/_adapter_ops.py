@@ -11,9 +11,12 @@ call's records are opened around that Function's forward:
   drop-in op among ``fuser._basic_ops`` it pushes a
   :class:`~te_integration._call.CallRecord` (the op, its state, its sharding
   read now), runs TE's forward, pops them in a ``finally``; then sets, on
-  each op's context, the rebuild quantizer backward uses (D9), and the
-  call's :class:`~te_integration._release.BackwardWork` on the fuser's ctx.
-  Its backward is TE's followed by the plans' release.
+  each ``BasicLinear``'s context, the rebuild quantizer TE's backward
+  rebuilds with (D9; TE's backward places the weight), on each
+  ``GroupedLinear``'s context the ``BackwardWork`` whose before phase its
+  ``fuser_backward`` runs (``_adapter_ops_grouped``), and the call's
+  :class:`~te_integration._release.BackwardWork` on the fuser's ctx. Its
+  backward is TE's followed by that work's after phase, the plans' release.
 * **The ``BasicLinear._functional_forward`` seam** (the class attribute,
   through which ``op_forward`` and every fused forward call it): for the
   weight of an op with a record, it plans the weight (memo per call shape)
@@ -42,7 +45,7 @@ from . import _compat as te
 from . import _compat_ops as te_ops
 from ._call import ACTIVE, CallRecord, new_record, recompute_pass
 from ._foreign_patches import SeamedName
-from ._adapter_ops_grouped import grouped_backward_levers
+from ._adapter_ops_grouped import grouped_backward_work
 from ._rebuild import RebuildQuantizer
 from ._release import BackwardWork, run_backward
 from ._state import ModuleKind, state_of
@@ -144,14 +147,15 @@ def _open(fuser) -> list:
 
 
 def _edit_ctxs(func_ctx, opened: list) -> None:
-    """Backward's levers on each op's context, and the call's release work."""
+    """Backward's levers on each op's context (a grouped op's: its own
+    BackwardWork's before phase), and the call's release work on the fuser's."""
     releases = []
     for index, record in opened:
         if not record.weights:
             continue  # TE handled the call itself
         op_ctx = func_ctx.basic_op_ctxs[index]
         if record.kind is _OPS_GROUPED:
-            grouped_backward_levers(op_ctx, record)
+            grouped_backward_work(op_ctx, record)
             weights = record.weights
             releases += [(weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases]
             continue

@@ -65,7 +65,7 @@ class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
         return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs)
 
     def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
-        grouped_before_backward(basic_op_ctxs[0])
+        grouped_before_backward(basic_op_ctxs[0])  # the before phase of the op's BackwardWork
         return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
 
 
