@@ -1,10 +1,11 @@
-"""``te.ops.GroupedLinear`` under the policy: what its drop-in's methods do.
+"""``te.ops.GroupedLinear`` under the policy: its drop-in ``OpsGroupedLinear``.
 
 The op is found, as ``BasicLinear`` is, among the ops of a fuser call (the
-fuser Function seam in ``_adapter_ops`` pushes its record). Its forward
-quantizes and saves its weights in its own methods, not through
-``BasicLinear._functional_forward``, so the drop-in (``_modules_ops``)
-overrides those methods and calls these functions:
+fuser Function seam in ``runtime/_ops_fuser`` pushes its record, and asks
+:func:`_edit_op_ctx` for backward's levers). Its forward quantizes and
+saves its weights in its own methods, not through
+``BasicLinear._functional_forward``, so the drop-in overrides those methods
+and calls these functions:
 
 * Both forward paths (``_fuser_forward_split_quantize`` and, where TE picks
   it, ``_fuser_forward_grouped_tensor``) take ``input_requires_grad``,
@@ -31,13 +32,20 @@ from __future__ import annotations
 
 from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
-from . import _compat as te
-from ._freshness import is_per_tensor
-from ._call import ACTIVE, recompute_pass
-from ._rebuild import RebuildQuantizer
+from typing import Any
 
-__all__ = ["grouped_forward", "grouped_before_backward", "grouped_backward_levers"]
+from ..runtime._call import ACTIVE, recompute_pass
+from ..runtime._freshness import is_per_tensor
+from ..runtime._managed_common import ManagedOp
+from ..runtime._plan_support_ops import ops_unsupported_reason
+from ..runtime._rebuild import RebuildQuantizer
+from ..runtime._registry import Adapter, ModuleKind, OpHooks, register
+from ..te import _compat as te
+from ..te import _compat_ops as te_ops
 
+__all__ = ["OpsGroupedLinear"]
+
+KIND = ModuleKind("ops_grouped_linear")
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
 
 
@@ -94,26 +102,28 @@ def grouped_forward(op, te_method, kwargs: dict):
     return out, saved
 
 
-def grouped_backward_levers(op_ctx, record) -> None:
+def _edit_op_ctx(op_ctx, record) -> list:
     """Leave on the op's context what backward does before TE's: the
     quantizers it rebuilds with, or the number of quantized parameters whose
-    columnwise data it derives."""
+    columnwise data it derives. Returns the weights whose plans release."""
     weights = record.weights
+    releases = [(weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases]
     levers = weights[1]
     if not getattr(op_ctx, "input_requires_grad", 0):
-        return
+        return releases
     if levers.is_quantized_param:
         # TE's grouped op reads the parameters' columnwise data as it finds it
         # and derives none; the plan's release dropped it after the last
         # backward (every format the plan derives), or the forward marked an
         # FP8 transpose older than the weight invalid (D12).
         op_ctx._te_wm_derive = (len(weights) // 2, levers.plan.columnwise_source is ColumnwiseSource.DERIVED)
-        return
+        return releases
     if levers.plan.backward_source is not BackwardSource.REQUANTIZE:
-        return
+        return releases
     usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
     quantizers = op_ctx.weight_quantizers[:len(weights) // 2]
     op_ctx._te_wm_rebuild = tuple(RebuildQuantizer(q, usage) for q in quantizers)
+    return releases
 
 
 def _invalidated(w) -> bool:
@@ -139,3 +149,31 @@ def grouped_before_backward(op_ctx) -> None:
     saved, n = op_ctx.saved_tensors, len(rebuild)
     weights = [q(w) if w is not None else None for q, w in zip(rebuild, saved[-n:])]
     op_ctx.saved_tensors = tuple(saved[:-n]) + tuple(weights)
+
+
+class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
+    """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
+    (each group's weight planned under its own key; see the module docstring)."""
+
+    _wm_kind = KIND
+
+    def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs)
+
+    def _fuser_forward_grouped_tensor(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs)
+
+    def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
+        grouped_before_backward(basic_op_ctxs[0])
+        return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
+
+
+# Its records are opened by the fuser Function seam, as BasicLinear's are
+# (install replaces that name once); the public name is te.ops.GroupedLinear.
+ADAPTER = Adapter(
+    kind=KIND, te_class=te_ops.GroupedLinear, drop_in=OpsGroupedLinear, order=60,
+    construction=((te_ops.ops_package, "GroupedLinear"),),
+    explain_name="te.ops.GroupedLinear", explain_note="one plan for all experts", refusal=ops_unsupported_reason,
+    op=OpHooks(edit_ctx=_edit_op_ctx),
+)
+register(ADAPTER)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _attribution
-from . import _compat as te
+from ..te import _compat as te
 from ._levers import Levers
 from ._step_hook import release_after_step
 
