@@ -20,6 +20,8 @@ Markdown summary table to ``benchmarks/results/`` (``--out``), and
 | ``budget`` | 1 or 2 GPUs, FSDP2 | ``apply_workspace_budget`` at 0/25/50/100% of one FP8 copy of the weights vs stock: paired step time, step peak |
 | ``ops_memory`` | 1 or 2 GPUs, FSDP2 | te.ops (issue 28): the ``te.ops.Linear`` stack and a ``te.ops.Sequential`` MLP, stock/drop-in/bf16 and the ``te.Linear`` stack: per-block forward rise, peak, losses, step time with a stock control |
 | ``fp8_params`` | 1 GPU, no FSDP | TE's FP8-parameter flow (``quantized_model_init`` + FusedAdam): loss per step of stock, the stale-free reference, the drop-in and bf16; the drop-in equals the reference; paired step time with a control, the step task timed alone (D12) |
+| ``moe_step`` | 1 or 2 GPUs, FSDP2 | issue 38: MoE expert MLP layers (GroupedLinear -> GELU -> GroupedLinear + residual, uneven routing) per sm_90 recipe, 1 and 4 microbatches, bf16 and quantized parameters: step time stock/drop-in/control in turn, a profiled step (CUDA kernels, launches, GPU busy, Python calls) and memory against bf16 |
+| ``grouped_quantize_probe`` | 1 GPU, no FSDP, no project code | issue 38: ways to quantize a GroupedLinear's separate expert weights in few launches, per sm_90 recipe, against TE's per-expert quantize bit for bit; host/GPU time and kernel counts |
 | ``policy_overhead`` | CPU | policy selection plus planning per call, in ns, against a no-op |
 | ``run_all`` | 2 GPUs | all of the above in one command, within a time budget, then the plots |
 

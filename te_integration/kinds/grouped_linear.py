@@ -19,9 +19,11 @@ plans that save no workspace:
   expert's high-precision weight in the slot of its workspace. Under FSDP2
   that is the unsharded parameter, whose storage FSDP2 frees after forward
   and gathers again before backward, as it does for TE's dense modules.
-* ``restore_from_func_ctx`` (:func:`managed_restore_from_func_ctx`) puts
-  the weights quantized again, with the plan's backward usages, back into
-  those slots before TE's backward reads them, where the plan requantizes.
+* ``restore_from_func_ctx`` (:func:`managed_restore_from_func_ctx`), TE's
+  first act in its backward, runs the before phase of the call's
+  ``BackwardWork``: where the plan requantizes, its :class:`ExpertRebuild`
+  puts the weights quantized again, with the plan's backward usages, back
+  into those slots before TE's backward reads them.
 
 On the grouped-tensor path with one grouped weight, TE quantizes without
 ``quantize_weight`` and keeps its own cache entry (``weight``): the seam's
@@ -40,15 +42,15 @@ from workspace_manager import (
     RecomputePass,
     RecomputeScope,
     Sharding,
-    Usage,
 )
 
 from ..runtime._call import ACTIVE, ANY_WEIGHT, CallPart, is_distributed, recompute_pass
+from ..runtime._expert_quantize import quantize_experts
 from ..runtime._freshness import refresh_experts
 from ..runtime._modules import ManagedModule
 from ..runtime._plan_support import plan_refusal
-from ..runtime._quantize import expert_keys
-from ..runtime._rebuild import quantize_with_usage
+from ..runtime._quantize import expert_index, expert_key_at, expert_keys
+from ..runtime._rebuild import Rebuild
 from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import BackwardWork
 from ..runtime._saved_tensors import rowwise_parts
@@ -61,6 +63,7 @@ _A = te.GROUPED_ARGS
 _FP8, _DEBUG, _OFFLOAD, _SKIP = _A["fp8"], _A["debug"], _A["cpu_offloading"], _A["skip_fp8_weight_update"]
 _GRAD, _FIRST, _QUANTIZERS, _SINGLE = (_A["is_grad_enabled"], _A["is_first_microbatch"], _A["weight_quantizers"],
                                        _A["single_grouped_weight"])
+_DTYPE = _A["activation_dtype"]
 _NO_RECOMPUTE, _REGION, _DISTRIBUTED = RecomputePass.NONE, RecomputeScope.REGION, Sharding.DISTRIBUTED_WEIGHT
 #: Where the experts' weights start in ``_GroupedLinear.forward``'s arguments.
 _FIRST_WEIGHT = 5
@@ -93,13 +96,19 @@ def _begin(ctx, args: tuple):
     # A distributed weight's slots are TE's own (it saves None and gathers again).
     part = record.part = ExpertCall()  # fields set here: an __init__ would be one call more per module call
     part.experts, part.index, part.saves_weights = experts, 0, levers.saves_no_workspace and not distributed
+    part.quantized = None
+    if (part.saves_weights and levers.cache is CacheAction.BYPASS and not levers.is_quantized_param
+            and not nta[_SINGLE] and first.dtype == nta[_DTYPE]):
+        # Nothing cached, nothing saved: every expert's workspace lives only
+        # in this forward, so all can come from one grouped quantization.
+        part.quantized = GroupedQuantization(part, nta[_QUANTIZERS], levers.forward_columnwise)
     return record, args
 
 
 class ExpertCall(CallPart):
     """A GroupedLinear call's own data (:attr:`CallRecord.part`), set by ``_begin``."""
 
-    __slots__ = ("experts", "index", "saves_weights")
+    __slots__ = ("experts", "index", "saves_weights", "quantized")
 
     #: The call's expert weights (one grouped weight, or one per expert),
     #: planned together under one key and cached under one key each.
@@ -110,6 +119,28 @@ class ExpertCall(CallPart):
     #: TE's saving helper gets the experts' high-precision weights in the
     #: slots of their workspaces (the plan saves no workspace).
     saves_weights: bool
+
+
+class GroupedQuantization:
+    """``part.quantized`` of a call whose experts are quantized at once
+    (``_expert_quantize``): at TE's first ``quantize_weight`` of the call,
+    every expert; then each call takes its own. ``(None, None)`` where no
+    grouped quantization is exact for these quantizers (the seam then
+    quantizes each expert as TE does)."""
+
+    __slots__ = ("part", "quantizers", "columnwise", "outs")
+
+    def __init__(self, part: ExpertCall, quantizers: list, columnwise: bool) -> None:
+        self.part, self.quantizers, self.columnwise, self.outs = part, quantizers, columnwise, None
+
+    def __call__(self, tensor) -> tuple:
+        outs = self.outs
+        if outs is None:
+            outs = self.outs = quantize_experts(self.quantizers, self.part.experts, True, self.columnwise)
+            if outs is None:
+                return None, None
+        index = expert_index(self.part, tensor)
+        return outs[index], expert_key_at(index)
 
 
 def _refuse_derived(levers) -> None:
@@ -124,10 +155,10 @@ def _refuse_derived(levers) -> None:
 
 def _edit_ctx(ctx, record, args: tuple) -> None:
     levers, part = record.weights[1], record.part
-    rebuild = None
+    before = None  # the before phase: the experts saved in high precision, quantized again
     if part.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
-        rebuild = _Rebuild(args[2][_QUANTIZERS], levers.plan.backward_usage)
-    if not levers.releases and rebuild is None:
+        before = ExpertRebuild(args[2][_QUANTIZERS], levers.plan.backward_usage).before_te_backward
+    if not levers.releases and before is None:
         ctx._te_wm_backward = None
         return
     experts = part.experts
@@ -135,46 +166,27 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
     if levers.release_cache:
         keys = ("weight",) if args[2][_SINGLE] else expert_keys(len(experts))
     ctx._te_wm_backward = BackwardWork(record.module, tuple(zip(experts, repeat(levers))) if levers.releases else (),
-                                       cache_keys=keys, rebuild=rebuild)
+                                       cache_keys=keys, before_te_backward=before)
 
 
-class _Rebuild:
-    """Backward's requantization of the experts saved in high precision."""
+class ExpertRebuild(Rebuild):
+    """GroupedLinear's part of the one rebuild (``_rebuild``): the experts
+    go back into the list of saved tensors TE's backward restored, in
+    either of TE's layouts, before it reads them."""
 
-    __slots__ = ("quantizers", "rowwise", "columnwise")
+    __slots__ = ()
 
-    def __init__(self, quantizers: list, usage: Usage) -> None:
-        self.quantizers = quantizers
-        self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
-
-    def __call__(self, ctx, saved: list) -> None:
+    def before_te_backward(self, ctx, saved: list) -> list:
         count = ctx.num_gemms
+        # The forward sets its quantizers' usages before each use, so the
+        # rebuild leaves them as it set them (restore=False).
         if not ctx.grouped_tensor_supported:  # split-quantize path: inputs, workspaces, weights, biases
-            saved[count:2 * count] = self._quantized(saved[count:2 * count])
+            saved[count:2 * count] = self.quantized(saved[count:2 * count], False)
         elif ctx.single_grouped_weight:  # grouped-tensor path: input, weights, offsets
-            saved[1] = self._quantized_grouped(saved[1], count)
+            saved[1] = self.quantized_grouped(saved[1], count)
         else:
-            saved[1:1 + count] = self._quantized(saved[1:1 + count])
-
-    def _quantized(self, weights: list) -> list:
-        rowwise, columnwise = self.rowwise, self.columnwise
-        return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise, False)
-                for weight, quantizer in zip(weights, self.quantizers)]
-
-    def _quantized_grouped(self, weight, count: int):
-        """One grouped weight, quantized by TE's grouped kernel as its forward does."""
-        if weight is None:
-            return None
-        quantizer = self.quantizers[0]
-        # A non-reentrant checkpoint hands backward a detached alias, which
-        # may be a plain tensor over the grouped weight's data.
-        data = getattr(weight, "rowwise_data", None)
-        source = data.view(weight.logical_shape) if data is not None else weight
-        quantizer.set_usage(rowwise=self.rowwise, columnwise=self.columnwise)
-        try:
-            return te.tex.group_quantize(source, quantizer, count, None)
-        finally:
-            quantizer.set_usage(rowwise=True, columnwise=True)
+            saved[1:1 + count] = self.quantized(saved[1:1 + count], False)
+        return saved
 
 
 # -- the module globals of grouped_linear.py the seams replace ---------------------------
@@ -206,11 +218,15 @@ def _weights_in_workspace_slots(tensors: tuple, experts: tuple, count: int) -> t
 
 
 def managed_restore_from_func_ctx(ctx, return_saved_tensors: bool = False):
-    """TE's ``restore_from_func_ctx``, then the plan's rebuild of the weights saved in high precision."""
+    """TE's ``restore_from_func_ctx``, then the before phase of the call's
+    :class:`BackwardWork`: TE's backward calls this first, before it reads
+    any saved tensor."""
     out = te.restore_from_func_ctx(ctx, return_saved_tensors)
     work = getattr(ctx, "_te_wm_backward", None)
-    if work is not None and work.rebuild is not None:
-        work.rebuild(ctx, out[0] if return_saved_tensors else out)
+    if work is not None and work.before_te_backward is not None:  # nothing to do costs no call
+        # ExpertRebuild edits TE's list in place, so with return_saved_tensors
+        # the pair TE gets back holds the rebuilt list.
+        work.before_te_backward(ctx, out[0] if return_saved_tensors else out)
     return out
 
 

@@ -13,9 +13,11 @@ and calls these functions:
   the quantized weights are saved. Under a plan that saves no workspace TE
   runs with it False and the op saves the high-precision weights in their
   places (the last of the saved tensors); backward's ``fuser_backward``
-  quantizes them again, with the plan's usages, before TE's backward reads
-  them. Under a plan that saves the workspace, what is saved keeps only
-  the usages backward reads (TE's grouped-tensor path saves both).
+  runs the before phase of the op's ``BackwardWork``, whose
+  :class:`OpRebuild` quantizes them again, with the plan's usages, before
+  TE's backward reads them. Under a plan that saves the workspace, what is
+  saved keeps only the usages backward reads (TE's grouped-tensor path
+  saves both).
 * Each group's weight is planned under its own key (``weight0``, ...); the
   groups share one call shape, so one plan.
 
@@ -30,16 +32,18 @@ call these methods.
 
 from __future__ import annotations
 
-from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
-
+from dataclasses import dataclass
 from typing import Any
+
+from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
 from ..runtime._call import ACTIVE, recompute_pass
 from ..runtime._freshness import is_per_tensor
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
-from ..runtime._rebuild import RebuildQuantizer
+from ..runtime._rebuild import Rebuild
 from ..runtime._registry import Adapter, ModuleKind, OpHooks, register
+from ..runtime._release import BackwardWork
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops
 
@@ -103,27 +107,66 @@ def grouped_forward(op, te_method, kwargs: dict):
 
 
 def _edit_op_ctx(op_ctx, record) -> list:
-    """Leave on the op's context what backward does before TE's: the
-    quantizers it rebuilds with, or the number of quantized parameters whose
-    columnwise data it derives. Returns the weights whose plans release."""
+    """The fuser seam's hook (``OpHooks.edit_ctx``): leave on the op's context
+    the :class:`BackwardWork` whose before phase its ``fuser_backward`` runs:
+    an :class:`OpRebuild` of the weights saved in high precision, or a
+    :class:`DeriveColumnwise` of the quantized parameters saved. te.ops runs
+    one backward per op inside the fuser's, so the op's context carries the
+    phase; the release is the fuser's (``runtime/_ops_fuser``), after every
+    op's backward, also when one raises: the returned weights whose plans
+    release."""
     weights = record.weights
     releases = [(weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases]
     levers = weights[1]
     if not getattr(op_ctx, "input_requires_grad", 0):
         return releases
+    count = len(weights) // 2
     if levers.is_quantized_param:
         # TE's grouped op reads the parameters' columnwise data as it finds it
         # and derives none; the plan's release dropped it after the last
         # backward (every format the plan derives), or the forward marked an
         # FP8 transpose older than the weight invalid (D12).
-        op_ctx._te_wm_derive = (len(weights) // 2, levers.plan.columnwise_source is ColumnwiseSource.DERIVED)
+        before = DeriveColumnwise(count, levers.plan.columnwise_source is ColumnwiseSource.DERIVED)
+    elif levers.plan.backward_source is BackwardSource.REQUANTIZE:
+        usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
+        before = OpRebuild(op_ctx.weight_quantizers[:count], usage)
+    else:
         return releases
-    if levers.plan.backward_source is not BackwardSource.REQUANTIZE:
-        return releases
-    usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
-    quantizers = op_ctx.weight_quantizers[:len(weights) // 2]
-    op_ctx._te_wm_rebuild = tuple(RebuildQuantizer(q, usage) for q in quantizers)
+    op_ctx._te_wm_backward = BackwardWork(record.module, before_te_backward=before.before_te_backward)
     return releases
+
+
+class OpRebuild(Rebuild):
+    """te.ops GroupedLinear's part of the one rebuild (``runtime/_rebuild``): the
+    weights go back into the op context's saved tensors (the last of them),
+    before TE's ``fuser_backward`` reads them."""
+
+    __slots__ = ()
+
+    def before_te_backward(self, op_ctx, saved: tuple) -> tuple:
+        n = len(self.quantizers)
+        # restore=True: the quantizers are left with both usages, as TE's rebuilds leave them.
+        return tuple(saved[:-n]) + tuple(self.quantized(saved[-n:], True))
+
+
+@dataclass(frozen=True, slots=True)
+class DeriveColumnwise:
+    """The before phase for quantized parameters, which te.ops GroupedLinear
+    saves as they are: their columnwise data derived from their rowwise
+    data, in place, before TE's backward reads it."""
+
+    #: How many of the saved tensors (the last) are the parameters.
+    count: int
+    #: Every format (the plan's ``ColumnwiseSource.DERIVED``), or only an
+    #: FP8 transpose the forward marked invalid (D12).
+    every_format: bool
+
+    def before_te_backward(self, op_ctx, saved: tuple) -> tuple:
+        every_format = self.every_format
+        for w in saved[-self.count:]:
+            if isinstance(w, te.QuantizedTensorStorage) and (every_format or _invalidated(w)):
+                w.update_usage(columnwise_usage=True)
+        return saved
 
 
 def _invalidated(w) -> bool:
@@ -132,23 +175,13 @@ def _invalidated(w) -> bool:
 
 
 def grouped_before_backward(op_ctx) -> None:
-    """Quantize the high-precision weights a plan saved, or derive the
-    columnwise data of the quantized parameters it saved, before TE's
-    backward reads them."""
-    derive = getattr(op_ctx, "_te_wm_derive", None)
-    if derive is not None:
-        op_ctx._te_wm_derive = None
-        count, every_format = derive
-        for w in op_ctx.saved_tensors[-count:]:
-            if isinstance(w, te.QuantizedTensorStorage) and (every_format or _invalidated(w)):
-                w.update_usage(columnwise_usage=True)
-    rebuild = getattr(op_ctx, "_te_wm_rebuild", None)
-    if rebuild is None:
-        return
-    op_ctx._te_wm_rebuild = None
-    saved, n = op_ctx.saved_tensors, len(rebuild)
-    weights = [q(w) if w is not None else None for q, w in zip(rebuild, saved[-n:])]
-    op_ctx.saved_tensors = tuple(saved[:-n]) + tuple(weights)
+    """The before phase of the op's :class:`BackwardWork`, where its
+    ``fuser_backward`` starts: the saved weights made as the plan says
+    before TE's backward reads them. Run once."""
+    work = getattr(op_ctx, "_te_wm_backward", None)
+    if work is not None:  # set only with a before phase (_edit_op_ctx)
+        op_ctx._te_wm_backward = None
+        op_ctx.saved_tensors = work.before_te_backward(op_ctx, op_ctx.saved_tensors)
 
 
 class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
@@ -164,7 +197,7 @@ class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
         return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs)
 
     def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
-        grouped_before_backward(basic_op_ctxs[0])
+        grouped_before_backward(basic_op_ctxs[0])  # the before phase of the op's BackwardWork
         return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
 
 

@@ -35,7 +35,7 @@ class CallPart:
     """A module kind's own data for one call (:attr:`CallRecord.part`).
 
     A kind that needs more than the shared fields subclasses it in its own
-    file; the shared seams read only the two fields below, which are None
+    file; the shared seams read only the fields below, which are None
     unless the kind sets them, so a record of any kind answers them."""
 
     __slots__ = ()
@@ -46,6 +46,11 @@ class CallPart:
     #: Workspaces the ``quantize_weight`` seam collects for the kind
     #: (LayerNormMLP with FC1 and FC2 planned to save differently), or None.
     dropped: list | None = None
+    #: ``quantized(tensor)``: the workspace of ``tensor``, one of
+    #: :attr:`experts`, from one grouped quantization of them all, made at
+    #: the call's first ``quantize_weight`` (GroupedLinear under a plan that
+    #: caches and saves nothing); None where each is quantized on its own.
+    quantized: Any = None
 
 
 class CallRecord:

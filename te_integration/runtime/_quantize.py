@@ -22,7 +22,7 @@ from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
 from ._step_hook import STEPS
 
-__all__ = ["managed_quantize_weight", "expert_key", "expert_keys"]
+__all__ = ["managed_quantize_weight", "expert_key", "expert_key_at", "expert_index", "expert_keys"]
 
 _LEDGER = _attribution.LEDGER
 
@@ -55,7 +55,15 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     # cache entry and attribution has its own (found only where needed).
     part = record.part
     key = levers.key if part is None or part.experts is None else None
-    if levers.cache is not CacheAction.BYPASS:
+    if part is not None and part.quantized is not None:  # every expert from one grouped quantization
+        out, key = part.quantized(tensor)
+        if out is None:  # none that is exact for these quantizers: each on its own, as TE does
+            part.quantized = None
+            return managed_quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
+                                           update_workspace=update_workspace, skip_update_flag=skip_update_flag,
+                                           fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
+        hit = False
+    elif levers.cache is not CacheAction.BYPASS:
         key = key or expert_key(record, tensor)
         out, hit = _cached_quantize(record, levers, key, tensor, quantizer, skip_update_flag, workspace_dtype)
     else:  # the common case, spelled here: one Python call fewer per module call
@@ -99,15 +107,25 @@ def _levers_of(weights: tuple, tensor: Any) -> Levers | None:
 
 def expert_key(record: CallRecord, tensor) -> str:
     """The cache key of the GroupedLinear expert ``tensor`` is (TE's:
-    ``weight0``, ``weight1``, ...). TE quantizes the experts in order, so the
-    expected one is checked first; a gathered ``DistributedWeight`` is none
-    of the call's tensors, and takes the expected position."""
-    part = record.part
+    ``weight0``, ``weight1``, ...); see :func:`expert_index`."""
+    return expert_key_at(expert_index(record.part, tensor))
+
+
+def expert_key_at(index: int) -> str:
+    """``weight<index>``, made once per process."""
+    return _EXPERT_KEYS[index] if index < len(_EXPERT_KEYS) else _more_expert_keys(index)
+
+
+def expert_index(part: Any, tensor) -> int:
+    """Which of the call's experts ``tensor`` is. TE quantizes the experts
+    in order, so the expected one is checked first; a gathered
+    ``DistributedWeight`` is none of the call's tensors, and takes the
+    expected position. Each call moves the expected position on."""
     experts, index = part.experts, part.index
     if index >= len(experts) or experts[index] is not tensor:
         index = next((i for i, weight in enumerate(experts) if weight is tensor), index)
     part.index = index + 1
-    return _EXPERT_KEYS[index] if index < len(_EXPERT_KEYS) else _more_expert_keys(index)
+    return index
 
 
 #: ``weight0``, ``weight1``, ...: made once per process.

@@ -258,7 +258,7 @@ LNMLP_ARGS = {"is_first_microbatch": 1, "fp8": 2, "fc1_weight_quantizer": 7, "fc
 LNMLP_RECOMPUTED = {"fc1_weight": 4, "fc2_weight": 10}
 #: Positions in ``_GroupedLinear.forward``'s ``non_tensor_args``.
 GROUPED_ARGS = {"is_first_microbatch": 1, "fp8": 2, "weight_quantizers": 6, "cpu_offloading": 12,
-                "is_grad_enabled": 15, "weight_workspaces": 16, "cache_weight": 17, "skip_fp8_weight_update": 18,
+                "activation_dtype": 14, "is_grad_enabled": 15, "weight_workspaces": 16, "cache_weight": 17, "skip_fp8_weight_update": 18,
                 "debug": 20, "single_grouped_weight": 21}
 #: Fields of TE's argument dataclasses the ``_Linear`` seam reads or sets.
 LINEAR_FWD_FIELDS = ("is_fsdp2", "weight_quantizer", "is_first_microbatch", "is_grad_enabled", "input_requires_grad",

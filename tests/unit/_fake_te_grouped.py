@@ -34,7 +34,7 @@ import _fake_te as fake
 #: Positions in the stand-in's non-tensor argument tuple.
 ARGS = {"is_first_microbatch": 0, "fp8": 1, "weight_quantizers": 2, "cpu_offloading": 3, "is_grad_enabled": 4,
         "weight_workspaces": 5, "cache_weight": 6, "skip_fp8_weight_update": 7, "debug": 8,
-        "single_grouped_weight": 9, "use_grouped_tensor": 10}
+        "single_grouped_weight": 9, "use_grouped_tensor": 10, "activation_dtype": 11}
 
 
 def _file() -> types.ModuleType:
@@ -56,10 +56,19 @@ class GroupedWorkspace(fake.QuantizedTensorStorage):
     """One grouped quantization of every expert, laid out as TE's
     ``GroupedTensorStorage`` (``rowwise_data``, ``columnwise_data``, their scales)."""
 
-    def __init__(self, rowwise, columnwise, quantizer) -> None:
+    def __init__(self, rowwise, columnwise, quantizer, count: int = 1) -> None:
         self.rowwise_data, self.columnwise_data = rowwise, columnwise
         self.scale_inv, self.columnwise_scale_inv = torch.ones(()), torch.ones(())
-        self.quantizer, self.internal = quantizer, True
+        self.quantizer, self.internal, self.count = quantizer, True, count
+
+    def split_into_quantized_tensors(self) -> list:
+        """Each expert's quantized tensor, as TE's per-expert ``quantize``
+        makes it (a 2D source: the experts' rows one after the other)."""
+        data = self.rowwise_data if self.rowwise_data is not None else self.columnwise_data.transpose(-1, -2)
+        parts = data.chunk(self.count) if data.dim() == 2 else data.unbind(0)
+        rowwise, columnwise = self.rowwise_data is not None, self.columnwise_data is not None
+        return [fake.Workspace(p if rowwise else None, p.t().contiguous() if columnwise else None, p, self.quantizer)
+                for p in parts]
 
     def get_usages(self) -> dict:
         return {"rowwise": self.rowwise_data is not None, "columnwise": self.columnwise_data is not None}
@@ -105,7 +114,8 @@ def group_quantize(source, quantizer, count, splits, noop_flag=None, output=None
     """TE's ``tex.group_quantize`` for a weight: every expert at once."""
     data = fake._round(source)
     out = GroupedWorkspace(data if quantizer.rowwise_usage else None,
-                           data.transpose(-1, -2).contiguous() if quantizer.columnwise_usage else None, quantizer)
+                           data.transpose(-1, -2).contiguous() if quantizer.columnwise_usage else None, quantizer,
+                           count)
     if output is not None:  # refreshed in place, as TE's kernel writes into a given workspace
         for name in ("rowwise_data", "columnwise_data"):
             if getattr(output, name) is not None and getattr(out, name) is not None:
@@ -307,7 +317,8 @@ class TEGroupedLinear(fake.TEModule):
                                 ("is_grad_enabled", torch.is_grad_enabled()), ("weight_workspaces", workspaces),
                                 ("cache_weight", cache), ("debug", False),
                                 ("single_grouped_weight", self.single_grouped_weight),
-                                ("use_grouped_tensor", self.use_grouped_tensor)):
+                                ("use_grouped_tensor", self.use_grouped_tensor),
+                                ("activation_dtype", self._weights()[0].dtype)):
                 nta[ARGS[name]] = value
             function = _file()._GroupedLinear
             args = (inp, torch.tensor(m_splits), tuple(nta), None, None, *self._weights())

@@ -126,16 +126,17 @@ def test_stock_grouped_linear_keeps_both_usages(ti, layout):
 @pytest.mark.parametrize("sharding", [Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])
 def test_fsdp2_saves_no_workspace_and_backward_quantizes_the_weights_again(ti, layout, sharding, monkeypatch):
     rebuilt = []
-    original = ti.grouped_linear._Rebuild.__call__
+    original = ti.grouped_linear.ExpertRebuild.before_te_backward
 
     def watching(self, ctx, saved):
-        original(self, ctx, saved)
+        saved = original(self, ctx, saved)
         count = ctx.num_gemms
         weights = saved[count:2 * count] if not ctx.grouped_tensor_supported else (
             [saved[1]] if ctx.single_grouped_weight else saved[1:1 + count])
         rebuilt.append([w.get_usages() for w in weights])
+        return saved
 
-    monkeypatch.setattr(ti.grouped_linear._Rebuild, "__call__", watching)
+    monkeypatch.setattr(ti.grouped_linear.ExpertRebuild, "before_te_backward", watching)
     stock, managed = _pair(ti, layout, sharding)
     seen = _train(stock, managed, first_flags=(True, False))
     assert all(slot == "param" for saved in seen for slot in _weight_slots(saved, layout)), seen

@@ -498,7 +498,7 @@ def test_own_checkpoint_backward_releases_what_its_recompute_pass_planned(bindin
     backward: the backward seam must not skip its release step because the
     first pass left none (found by the GPU drawn-plan test)."""
     released = []
-    monkeypatch.setattr(binding.release, "_release", released.append)
+    monkeypatch.setattr(binding.release.BackwardWork, "after_te_backward", lambda work: released.append(work))
     module = _module(binding, "lnmlp", Sharding.NONE)
     ctx = SimpleNamespace(_te_wm_backward=binding.release.BackwardWork(module))  # what the first pass leaves
     work = binding.release.BackwardWork(module, releases=(("fc1 weight", "its levers"),))

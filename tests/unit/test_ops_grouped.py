@@ -80,7 +80,7 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
     for p in params:
         p.update_usage(columnwise_usage=False)  # what the release after the last backward left
     levers = _qparam_levers(ColumnwiseSource.DERIVED)
-    record = SimpleNamespace(weights=tuple(x for p in params for x in (p, levers)))
+    record = SimpleNamespace(module=None, weights=tuple(x for p in params for x in (p, levers)))
     ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=(torch.ones(1), *params))
     grouped._edit_op_ctx(ctx, record)
     grouped.grouped_before_backward(ctx)
@@ -90,7 +90,8 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
     kept = [quantizer.quantize(torch.randn(OUT, IN)) for _ in range(GROUPS)]
     for p in kept:
         p.update_usage(columnwise_usage=False)
-    record = SimpleNamespace(weights=tuple(x for p in kept for x in (p, _qparam_levers(ColumnwiseSource.PARAMETER))))
+    record = SimpleNamespace(module=None,
+                             weights=tuple(x for p in kept for x in (p, _qparam_levers(ColumnwiseSource.PARAMETER))))
     ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=tuple(kept))
     grouped._edit_op_ctx(ctx, record)
     grouped.grouped_before_backward(ctx)
