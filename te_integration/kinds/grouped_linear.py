@@ -33,6 +33,7 @@ cache arguments from the plan before TE's code runs.
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import repeat
 
 from workspace_manager import (
@@ -49,7 +50,7 @@ from ..runtime._expert_quantize import quantize_experts
 from ..runtime._freshness import refresh_experts
 from ..runtime._modules import ManagedModule
 from ..runtime._plan_support import plan_refusal
-from ..runtime._quantize import expert_index, expert_key_at, expert_keys
+from ..runtime._quantize import expert_keys
 from ..runtime._rebuild import Rebuild
 from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import BackwardWork
@@ -96,19 +97,20 @@ def _begin(ctx, args: tuple):
     # A distributed weight's slots are TE's own (it saves None and gathers again).
     part = record.part = ExpertCall()  # fields set here: an __init__ would be one call more per module call
     part.experts, part.index, part.saves_weights = experts, 0, levers.saves_no_workspace and not distributed
-    part.quantized = None
+    part.quantized = part.quantize_all = None
     if (part.saves_weights and levers.cache is CacheAction.BYPASS and not levers.is_quantized_param
             and not nta[_SINGLE] and first.dtype == nta[_DTYPE]):
         # Nothing cached, nothing saved: every expert's workspace lives only
-        # in this forward, so all can come from one grouped quantization.
-        part.quantized = GroupedQuantization(part, nta[_QUANTIZERS], levers.forward_columnwise)
+        # in this forward, so all can come from one grouped quantization,
+        # made at TE's first quantize_weight of the call (the seam's).
+        part.quantize_all = partial(quantize_experts, nta[_QUANTIZERS], experts, True, levers.forward_columnwise)
     return record, args
 
 
 class ExpertCall(CallPart):
     """A GroupedLinear call's own data (:attr:`CallRecord.part`), set by ``_begin``."""
 
-    __slots__ = ("experts", "index", "saves_weights", "quantized")
+    __slots__ = ("experts", "index", "saves_weights", "quantize_all", "quantized")
 
     #: The call's expert weights (one grouped weight, or one per expert),
     #: planned together under one key and cached under one key each.
@@ -119,28 +121,6 @@ class ExpertCall(CallPart):
     #: TE's saving helper gets the experts' high-precision weights in the
     #: slots of their workspaces (the plan saves no workspace).
     saves_weights: bool
-
-
-class GroupedQuantization:
-    """``part.quantized`` of a call whose experts are quantized at once
-    (``_expert_quantize``): at TE's first ``quantize_weight`` of the call,
-    every expert; then each call takes its own. ``(None, None)`` where no
-    grouped quantization is exact for these quantizers (the seam then
-    quantizes each expert as TE does)."""
-
-    __slots__ = ("part", "quantizers", "columnwise", "outs")
-
-    def __init__(self, part: ExpertCall, quantizers: list, columnwise: bool) -> None:
-        self.part, self.quantizers, self.columnwise, self.outs = part, quantizers, columnwise, None
-
-    def __call__(self, tensor) -> tuple:
-        outs = self.outs
-        if outs is None:
-            outs = self.outs = quantize_experts(self.quantizers, self.part.experts, True, self.columnwise)
-            if outs is None:
-                return None, None
-        index = expert_index(self.part, tensor)
-        return outs[index], expert_key_at(index)
 
 
 def _refuse_derived(levers) -> None:

@@ -46,11 +46,14 @@ class CallPart:
     #: Workspaces the ``quantize_weight`` seam collects for the kind
     #: (LayerNormMLP with FC1 and FC2 planned to save differently), or None.
     dropped: list | None = None
-    #: ``quantized(tensor)``: the workspace of ``tensor``, one of
-    #: :attr:`experts`, from one grouped quantization of them all, made at
-    #: the call's first ``quantize_weight`` (GroupedLinear under a plan that
-    #: caches and saves nothing); None where each is quantized on its own.
-    quantized: Any = None
+    #: ``quantize_all()``: every one of :attr:`experts` quantized at once (a
+    #: list, or None where no grouped quantization is exact), for a call
+    #: whose workspaces neither are cached nor outlive its forward
+    #: (GroupedLinear under FSDP2's plan); the ``quantize_weight`` seam runs
+    #: it at the call's first quantization and keeps the list in
+    #: :attr:`quantized`. None: each expert is quantized on its own.
+    quantize_all: Any = None
+    quantized: list | None = None
 
 
 class CallRecord:

@@ -36,37 +36,43 @@ import torch
 
 from ..te import _compat as te
 
-__all__ = ["quantize_experts", "grouped_method"]
+__all__ = ["quantize_experts"]
 
 #: Quantizer class -> how its experts are quantized at once (None: one by one).
 _METHODS: dict[type, Callable | None] = {}
 #: ``id``s of quantizer lists found alike, with the list itself (so an id is
 #: never reused while it is here); bounded, since TE may make new lists.
 _ALIKE: dict[tuple[int, ...], Sequence] = {}
-_ALIKE_MAX = 4096
+_ALIKE_MAX = 256
 
 
 def quantize_experts(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool) -> list | None:
     """``weights`` (high precision, one per expert) quantized at once with
-    ``quantizers`` (one per expert), each holding only the usages named; or
-    None where no grouped TE call gives what per-expert quantization gives."""
-    method = grouped_method(quantizers, weights)
-    if method is None:
-        return None
-    return method(quantizers, weights, rowwise, columnwise)
+    ``quantizers`` (one per expert, as many), each holding only the usages
+    named; or None where no grouped TE call gives what per-expert
+    quantization gives (see the module docstring).
 
-
-def grouped_method(quantizers: Sequence, weights: Sequence) -> Callable | None:
-    """The grouped quantization of these experts, or None (see the module docstring)."""
+    Only the first weight is looked at: a GroupedLinear's experts share
+    shape and dtype, and ``torch.cat`` refuses experts that do not fit
+    together (None then). Nothing here runs Python per expert: that is
+    what the grouped call saves; the checks of the quantizers run once per
+    list of them (:func:`_alike`)."""
     kind = type(quantizers[0])
     method = _METHODS[kind] if kind in _METHODS else _learn(kind)
-    if method is None or len(weights) < 2 or len(quantizers) != len(weights):
-        return None
     first = weights[0]
-    if any(w is None or w.dtype != first.dtype or w.shape[1:] != first.shape[1:] or not w.is_contiguous()
-           or isinstance(w, te.QuantizedTensorStorage) for w in weights):
+    if method is None or first is None or isinstance(first, te.QuantizedTensorStorage):
         return None
-    return method if _alike(quantizers) else None
+    key = tuple(map(id, quantizers))
+    if key not in _ALIKE and not _alike(quantizers, key):
+        return None
+    try:
+        stacked = torch.cat(weights)  # a transient copy: TE's grouped kernels read one tensor
+    except (TypeError, RuntimeError):  # a missing expert, or another shape
+        return None
+    rows = first.shape[0]
+    if stacked.dtype is not first.dtype or stacked.shape[0] != rows * len(weights):  # promoted, or uneven
+        return None
+    return method(quantizers, stacked, rows, rowwise, columnwise)
 
 
 def _learn(kind: type) -> Callable | None:
@@ -80,13 +86,11 @@ def _learn(kind: type) -> Callable | None:
     return method
 
 
-def _alike(quantizers: Sequence) -> bool:
+def _alike(quantizers: Sequence, key: tuple) -> bool:
     """Every quantizer of the same class and settings as the first, none
     reducing its amax across ranks (the grouped kernels do not): then the
-    first quantizes every expert as its own would."""
-    key = tuple(map(id, quantizers))
-    if key in _ALIKE:
-        return True
+    first quantizes every expert as its own would. Remembered by the
+    quantizers' ids, holding the list so that no id is reused meanwhile."""
     first = quantizers[0]
     settings = _settings(first)
     if settings is None or any(type(q) is not type(first) or _settings(q) != settings for q in quantizers):
@@ -104,33 +108,28 @@ def _settings(quantizer: Any) -> tuple | None:
         "dtype", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim", "all_gather_usage", "internal"))
 
 
-def _stacked(weights: Sequence) -> tuple[torch.Tensor, list[int]]:
-    return torch.cat(list(weights), dim=0), [w.shape[0] for w in weights]
-
-
-def _split(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool) -> list:
-    """Delayed scaling: each expert with its own quantizer. TE's fused
-    multi-tensor cast builds both usages; the unneeded one is dropped at
-    once, as the per-expert rebuild drops it (D9)."""
+def _split(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool) -> list:
+    """Delayed scaling: each expert with its own quantizer (its scale, its
+    amax recorded). TE's fused multi-tensor cast builds both usages; the
+    unneeded one is dropped at once, as the per-expert rebuild drops it (D9)."""
     for quantizer in quantizers:
         quantizer.set_usage(rowwise=True, columnwise=True)
-    stacked, rows = _stacked(weights)
-    outs = te.tex.split_quantize(stacked, rows, list(quantizers))
-    return _keep_only(outs, rowwise, columnwise)
+    outs = te.tex.split_quantize(stacked, [rows] * len(quantizers), list(quantizers))
+    return list(outs) if rowwise and columnwise else _keep_only(outs, rowwise, columnwise)
 
 
-def _group(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool) -> list:
+def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool) -> list:
     """Current and block scaling: one grouped kernel, every expert scaled on its own rows."""
-    quantizer = quantizers[0]
-    stacked, _ = _stacked(weights)
+    quantizer, count = quantizers[0], len(quantizers)
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    narrow = True
     try:
-        grouped = te.tex.group_quantize(stacked, quantizer, len(weights), None)
-    except NotImplementedError:  # per-tensor FP8 on Hopper: no columnwise data alone
+        grouped = te.tex.group_quantize(stacked, quantizer, count, None)
+    except NotImplementedError:  # a format that cannot build columnwise data alone: both, then drop
         quantizer.set_usage(rowwise=True, columnwise=True)
-        grouped = te.tex.group_quantize(stacked, quantizer, len(weights), None)
+        grouped, narrow = te.tex.group_quantize(stacked, quantizer, count, None), False
     experts = getattr(grouped, "quantized_tensors", None) or grouped.split_into_quantized_tensors()
-    return _keep_only(experts, rowwise, columnwise)
+    return list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
 
 
 def _keep_only(outs: Sequence, rowwise: bool, columnwise: bool) -> list:

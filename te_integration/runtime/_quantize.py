@@ -55,14 +55,21 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
     # cache entry and attribution has its own (found only where needed).
     part = record.part
     key = levers.key if part is None or part.experts is None else None
-    if part is not None and part.quantized is not None:  # every expert from one grouped quantization
-        out, key = part.quantized(tensor)
-        if out is None:  # none that is exact for these quantizers: each on its own, as TE does
-            part.quantized = None
-            return managed_quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
-                                           update_workspace=update_workspace, skip_update_flag=skip_update_flag,
-                                           fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
-        hit = False
+    if part is not None and part.quantize_all is not None:  # the call's first: every expert at once
+        part.quantized, part.quantize_all = part.quantize_all(), None
+    quantized = part.quantized if part is not None else None
+    if quantized is not None:  # this expert's, from the grouped quantization (None: each on its own)
+        index = part.index
+        try:
+            if part.experts[index] is tensor:
+                part.index = index + 1
+            else:
+                index = expert_index(part, tensor)
+        except IndexError:
+            index = expert_index(part, tensor)
+        out, hit = quantized[index], False
+        if _LEDGER.enabled:
+            key = expert_key_at(index)
     elif levers.cache is not CacheAction.BYPASS:
         key = key or expert_key(record, tensor)
         out, hit = _cached_quantize(record, levers, key, tensor, quantizer, skip_update_flag, workspace_dtype)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from workspace_manager import Usage
 
 from ..te import _compat as te
+from ._expert_quantize import quantize_experts
 
 __all__ = ["Rebuild", "RebuildQuantizer", "quantize_with_usage"]
 
@@ -60,8 +61,17 @@ class Rebuild:
 
     def quantized(self, weights: Sequence, restore: bool) -> list:
         """Each weight quantized with its quantizer (a None stays None); see
-        :func:`quantize_with_usage` for ``restore``."""
+        :func:`quantize_with_usage` for ``restore``. Many weights of one
+        quantization format (experts) are quantized by one grouped TE call
+        where one is exact for them (``_expert_quantize``)."""
         rowwise, columnwise = self.rowwise, self.columnwise
+        if len(weights) > 1:
+            grouped = quantize_experts(self.quantizers, weights, rowwise, columnwise)
+            if grouped is not None:
+                if restore:
+                    for quantizer in self.quantizers[:1]:  # the only one a grouped call narrows
+                        quantizer.set_usage(rowwise=True, columnwise=True)
+                return grouped
         return [None if weight is None else quantize_with_usage(quantizer, weight, rowwise, columnwise, restore)
                 for weight, quantizer in zip(weights, self.quantizers)]
 

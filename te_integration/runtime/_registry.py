@@ -29,7 +29,20 @@ __all__ = ["ModuleKind", "Adapter", "FunctionSeam", "OpHooks", "OP_HOOKS", "regi
            "refusal_of", "drop_ins", "gemm_weight_names", "register_with_explain"]
 
 
-class ModuleKind:
+class _KindsByName(type):
+    """``ModuleKind.GROUPED_LINEAR``: a kind already made, by its name in
+    capitals, as the enum this class replaced named its members (tests and
+    tools written against it keep working; the runtime never spells one)."""
+
+    def __getattr__(cls, name: str) -> ModuleKind:
+        made = cls._made.get(name.lower()) if name.isupper() else None
+        if made is None:
+            raise AttributeError(f"type object 'ModuleKind' has no attribute {name!r} (no kind of that name was "
+                                 "made; each kind's file in te_integration/kinds/ makes its own)")
+        return made
+
+
+class ModuleKind(metaclass=_KindsByName):
     """Which kind a drop-in is. Each kind's file makes its one instance
     (``KIND = ModuleKind("linear")``); making it again by the same name
     returns that instance, so kinds compare by identity (the seams test

@@ -168,15 +168,24 @@ def test_a_grouped_linear_backward_that_raises_still_releases_after_its_rebuild(
 # -- one rebuild mechanism ------------------------------------------------------------
 @pytest.fixture
 def quantized_again(ti, monkeypatch):
-    """``[(tensor, rowwise, columnwise)]`` of every call of the one quantize step."""
+    """``[(tensor, rowwise, columnwise)]`` of every weight the one rebuild
+    quantizes: one by one (``quantize_with_usage``) or, for many of one
+    format, in one grouped call (``quantize_experts``)."""
     rebuild = _binding("runtime._rebuild")
-    seen, step = [], rebuild.quantize_with_usage
+    seen, step, grouped = [], rebuild.quantize_with_usage, rebuild.quantize_experts
 
     def recording(quantizer, tensor, rowwise, columnwise, restore=True):
         seen.append((tensor, rowwise, columnwise))
         return step(quantizer, tensor, rowwise, columnwise, restore)
 
+    def recording_grouped(quantizers, weights, rowwise, columnwise):
+        out = grouped(quantizers, weights, rowwise, columnwise)
+        if out is not None:
+            seen.extend((tensor, rowwise, columnwise) for tensor in weights)
+        return out
+
     monkeypatch.setattr(rebuild, "quantize_with_usage", recording)
+    monkeypatch.setattr(rebuild, "quantize_experts", recording_grouped)
     return seen
 
 

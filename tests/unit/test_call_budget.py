@@ -108,9 +108,10 @@ def test_an_unsharded_grouped_linear_call_makes_no_call_per_expert_over_stock(ti
 def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti, sharding):
     """One plan per call: a GroupedLinear call adds about the dense budget,
     plus, inside TE's own loop over the experts, the quantize_weight seam's
-    frame (unsharded, nothing else) and, under FSDP2, the backward rebuild's
-    frame around the quantization it runs (the quantizer's own calls, TE's
-    work, are not counted: they are the price FSDP2 pays)."""
+    frame and nothing else. Under FSDP2 the experts are quantized by one
+    grouped call in forward and one in the backward rebuild
+    (``_expert_quantize``), each a fixed number of calls whatever the
+    number of experts, in place of a quantizer call chain per expert."""
     from workspace_manager import Sharding
 
     sharding = Sharding(sharding)
@@ -119,9 +120,13 @@ def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti
     ours = {key: many_where.get(key, 0) - few_where.get(key, 0) for key in many_where if "te_integration" in key[0]}
     per_expert = sum(ours.values()) / 6
     # Over the dense budget: the saving pair's frames; under FSDP2 the
-    # rebuild's objects and frames, and the stand-in quantizer's builtins.
-    assert 0 < few <= BUDGET + (24 if sharding.is_fsdp2 else 8), (few, few_where)
-    # Our frames per expert: the quantize_weight seam (in place of TE's); under FSDP2 also the rebuild.
-    assert per_expert <= (2 if sharding.is_fsdp2 else 1), f"{per_expert} of our calls per expert: {ours}"
+    # rebuild's objects and frames and the two grouped quantizations: each
+    # our two frames, its checks (type, tuple of ids, isinstance), the
+    # concatenation, and the stand-in grouped kernel's tensor builtins (C++
+    # in TE, counted here).
+    grouped = 2 * 9 if sharding.is_fsdp2 else 0
+    assert 0 < few <= BUDGET + (24 if sharding.is_fsdp2 else 8) + grouped, (few, few_where)
+    # Our frames per expert: the quantize_weight seam (in place of TE's), also under FSDP2.
+    assert per_expert <= 1, f"{per_expert} of our calls per expert: {ours}"
     if not sharding.is_fsdp2:
         assert (many - few) / 6 <= 1, f"{(many - few) / 6} calls per expert: {many_where}"

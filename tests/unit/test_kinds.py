@@ -40,6 +40,10 @@ def test_a_kind_is_one_object_by_its_name_copied_or_pickled_too(ti):
     assert copy.deepcopy(state).kind is linear
     with pytest.raises(TypeError, match="non-empty str"):
         kind("")
+    # The enum it replaced named its members so; a kind not made is no attribute.
+    assert kind.LINEAR is linear and kind.OPS_GROUPED_LINEAR is ti.kinds.OpsGroupedLinear._wm_kind
+    with pytest.raises(AttributeError, match="no kind of that name was made"):
+        kind.NOT_A_KIND
 
 
 def test_conversion_install_and_construction_take_their_lists_from_the_registry(ti, monkeypatch):
