@@ -30,6 +30,7 @@ and the caller quantizes expert by expert, as TE does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ def _learn(kind: type) -> Callable | None:
     custom quantizer) may quantize differently, so it is never grouped."""
     method = None
     if kind.__module__.startswith("transformer_engine."):
-        method = {"Float8Quantizer": _split, "Float8CurrentScalingQuantizer": _group,
+        method = {"Float8Quantizer": _split, "Float8CurrentScalingQuantizer": partial(_group, per_tensor=True),
                   "Float8BlockQuantizer": _group}.get(kind.__name__)
     _METHODS[kind] = method
     return method
@@ -118,8 +119,15 @@ def _split(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool
     return list(outs) if rowwise and columnwise else _keep_only(outs, rowwise, columnwise)
 
 
-def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool) -> list:
-    """Current and block scaling: one grouped kernel, every expert scaled on its own rows."""
+def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool, *,
+           per_tensor: bool = False) -> list:
+    """Current and block scaling: one grouped kernel (``tex.group_quantize``
+    with the first quantizer), every expert scaled on its own rows.
+
+    Per-tensor (current) scaling: TE splits the group into experts whose
+    ``scale_inv`` are views of one buffer, 4 bytes apart, and cuBLAS reads a
+    GEMM's scale from a 16-byte aligned address; so each expert gets its
+    own row of a padded copy (one kernel) of the same values."""
     quantizer, count = quantizers[0], len(quantizers)
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     narrow = True
@@ -129,7 +137,17 @@ def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool
         quantizer.set_usage(rowwise=True, columnwise=True)
         grouped, narrow = te.tex.group_quantize(stacked, quantizer, count, None), False
     experts = getattr(grouped, "quantized_tensors", None) or grouped.split_into_quantized_tensors()
-    return list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
+    experts = list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
+    if per_tensor:
+        inverse = grouped.scale_inv if grouped.scale_inv is not None else grouped.columnwise_scale_inv
+        padded = torch.constant_pad_nd(inverse.reshape(count, 1), (0, _SCALE_ALIGNMENT - 1))
+        for i, expert in enumerate(experts):
+            expert._scale_inv = padded[i, :1]
+    return experts
+
+
+#: float32 scales per 16 bytes: cuBLAS's alignment for a scale's address.
+_SCALE_ALIGNMENT = 4
 
 
 def _keep_only(outs: Sequence, rowwise: bool, columnwise: bool) -> list:

@@ -58,7 +58,7 @@ class GroupedWorkspace(fake.QuantizedTensorStorage):
 
     def __init__(self, rowwise, columnwise, quantizer, count: int = 1) -> None:
         self.rowwise_data, self.columnwise_data = rowwise, columnwise
-        self.scale_inv, self.columnwise_scale_inv = torch.ones(()), torch.ones(())
+        self.scale_inv, self.columnwise_scale_inv = torch.ones(count), torch.ones(count)  # one per expert
         self.quantizer, self.internal, self.count = quantizer, True, count
 
     def split_into_quantized_tensors(self) -> list:
