@@ -64,7 +64,7 @@ def _grouped_extra(ti, experts: int, sharding) -> tuple[float, dict]:
     x = torch.randn(sum(splits), 8, requires_grad=True)
     stock = grouped.TEGroupedLinear(experts, 8, 8, seed=1)
     managed = ti.modules.convert_model(grouped.TEGroupedLinear(experts, 8, 8, seed=1))
-    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind("grouped_linear"),
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR,
                                                                   probe=FixedSharding(sharding))
     managed(x, splits).sum().backward()
     ti.install.uninstall()
@@ -87,7 +87,7 @@ def _grouped_net(ti, experts: int) -> float:
     x = torch.randn(sum(splits), 8, requires_grad=True)
     stock = grouped.TEGroupedLinear(experts, 8, 8, seed=1)
     managed = ti.modules.convert_model(grouped.TEGroupedLinear(experts, 8, 8, seed=1))
-    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind("grouped_linear"),
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR,
                                                                   probe=FixedSharding(Sharding.NONE))
     managed(x, splits).sum().backward()
     ti.install.uninstall()
