@@ -13,46 +13,33 @@ this package needs TransformerEngine 2.20.x; it raises ImportError naming
 the installed and supported versions otherwise. See docs/te-integration.md.
 """
 
-from ._compat import SUPPORTED as SUPPORTED_TE
-from ._compat import VERSION as TE_VERSION
-from ._compat import UnsupportedTEError
-from . import _register  # noqa: F401  (checks TE's quantizer classes)
-from ._modules import (
-    GroupedLinear,
-    LayerNormLinear,
-    LayerNormMLP,
-    Linear,
-    convert_model,
-    last_plans,
-    set_workspace_policy,
-    workspace_state,
-)
-from ._construction import managed_construction
-from ._modules_ops import OpsBasicLinear, OpsGroupedLinear, OpsLinear
-from ._levers import Levers
-from ._state import ModuleWorkspaceState
-from ._foreign_patches import ForeignPatchError
-from ._attribution import WorkspaceRecording, record_workspaces, workspace_report
-from ._step_hook import release_step_caches
-from ._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
-from ._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
-from ._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
-from ._plan_support import recompute_mismatch_reason, unsupported_reason
-from ._plan_support_ops import ops_unsupported_reason
-from ._install import install as install_seams
-from ._install import uninstall as uninstall_seams
-from ._kinds import register_with_explain
+from .te._compat import SUPPORTED as SUPPORTED_TE
+from .te._compat import VERSION as TE_VERSION
+from .te._compat import UnsupportedTEError
+from .runtime import _register  # noqa: F401  (checks TE's quantizer classes)
+from . import kinds  # every kind's file registers its adapter (kinds/__init__)
+from .runtime._modules import convert_model, last_plans, set_workspace_policy, workspace_state
+from .runtime._construction import managed_construction
+from .runtime._levers import Levers
+from .runtime._state import ModuleWorkspaceState
+from .runtime._foreign_patches import ForeignPatchError
+from .runtime._attribution import WorkspaceRecording, record_workspaces, workspace_report
+from .runtime._step_hook import release_step_caches
+from .runtime._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
+from .runtime._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
+from .runtime._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
+from .runtime._plan_support import recompute_mismatch_reason, unsupported_reason
+from .runtime._plan_support_ops import ops_unsupported_reason
+from .runtime._install import install as install_seams
+from .runtime._install import uninstall as uninstall_seams
+from .runtime._registry import register_with_explain
 
 register_with_explain()  # the kinds registered above, named in explain's legend
+# The drop-in classes, each kind's public names (its file's ``__all__``), in the kinds' order.
+globals().update({name: getattr(kinds, name) for name in kinds.__all__})
 
 __all__ = [
-    "Linear",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "GroupedLinear",
-    "OpsBasicLinear",
-    "OpsGroupedLinear",
-    "OpsLinear",
+    *kinds.__all__,
     "convert_model",
     "managed_construction",
     "set_workspace_policy",

@@ -202,7 +202,7 @@ class QuantizationCounter:
     wraps ``quantize`` on TE's quantizer classes and counts the calls that
     pass ``dtype`` (no other TE caller does; activations and backward rebuilds
     call the quantizer without it). A refreshed cache entry is counted at
-    ``quantize_weight`` (through ``te_integration._compat``), where it returns
+    ``quantize_weight`` (through ``te_integration.te._compat``), where it returns
     the workspace it was handed."""
 
     def __init__(self, compat: Any = None, quantizer_base: type | None = None,

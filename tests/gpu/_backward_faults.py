@@ -159,7 +159,7 @@ def faulted_step(module, recipe, setup: Setup, at: int | None) -> FaultReport:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     import te_integration as ti
-    from te_integration._call import ACTIVE
+    from te_integration.runtime._call import ACTIVE
 
     keys = WEIGHT_KEYS[setup.kind]
     _, out1 = forward(module, recipe, 1, True)

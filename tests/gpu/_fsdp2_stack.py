@@ -190,7 +190,7 @@ MICROBATCH_STACKS = (("stock", False, None), ("managed", True, None), ("managed_
 
 def run_microbatches(name: str, micro: int = 4) -> dict:
     import transformer_engine.pytorch as te
-    from te_integration._install import install
+    from te_integration.runtime._install import install
 
     install()  # stock modules then also pass through the counted name
     recipe = make_recipe(name)
@@ -255,7 +255,7 @@ def attribution(name: str, quantized_init: bool, micro: int = 1, policy: str | N
     reshard_after_forward=False with that many microbatches. ``policy``: an
     ``explain`` policy name pinned on the drop-ins."""
     import te_integration as ti
-    from te_integration._install import install
+    from te_integration.runtime._install import install
 
     install()
     recipe = make_recipe(name)

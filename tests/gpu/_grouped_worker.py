@@ -101,7 +101,7 @@ def _function_node(grad_fn):
 
 
 def _saved_kinds(grad_fn, block) -> dict:
-    from te_integration._stale import transpose_matches
+    from te_integration.runtime._stale import transpose_matches
 
     grad_fn = _function_node(grad_fn)
     params = {id(p) for p in block.parameters()}
@@ -175,7 +175,7 @@ def _cases(report: dict):
 
 
 def body(report: dict) -> None:
-    from te_integration._compat import tex
+    from te_integration.te._compat import tex
 
     report["cublaslt"] = tex.get_cublasLt_version()
     report["shapes"] = EXPERT_SHAPES

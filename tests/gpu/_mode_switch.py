@@ -114,7 +114,7 @@ def _in_flight(model) -> int:
     calls: ``ACTIVE.record is None``; a weight left in a record would stay
     alive). ``model`` is unused: a call's state is its record, not its
     module's."""
-    from te_integration._call import ACTIVE
+    from te_integration.runtime._call import ACTIVE
 
     depth, record = 0, ACTIVE.record
     while record is not None:

@@ -75,7 +75,7 @@ def test_an_exception_inside_a_drop_in_leaves_everything_as_it_was(recipe, monke
     import transformer_engine.pytorch.module.linear as linear_module
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    import te_integration._state as state_module
+    import te_integration.runtime._state as state_module
 
     stock, managed = _pair()
     _step(stock, recipe, is_first_microbatch=True)

@@ -78,7 +78,7 @@ def _train(model, recipe, scenario: str = "plain", steps: int = STEPS, first_ste
     backward thread sees at the start and at the end of each backward."""
     import torch
 
-    from te_integration._call import ACTIVE
+    from te_integration.runtime._call import ACTIVE
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     seen = []
@@ -193,7 +193,7 @@ def _inject(monkeypatch, weights: tuple, phase: str) -> None:
 
 
 def _failing_step(model, recipe, scenario: str) -> None:
-    from te_integration._call import ACTIVE
+    from te_integration.runtime._call import ACTIVE
 
     x = _input(99, 0)
     with pytest.raises(InjectedFault):

@@ -477,9 +477,11 @@ def compat() -> dict[str, Any]:
 
 
 def load_full_binding(monkeypatch) -> SimpleNamespace:
-    """``_modules`` (with the seams, state, step hook, shards and
-    attribution) loaded against the stand-in; the seams are installed into
-    its files at the first drop-in call."""
-    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_call", "_adapter_mlp",
-                        "_adapter_grouped", "_install", "_modules", "_construction")
-    return SimpleNamespace(files=_FILES, **{name.lstrip("_"): m for name, m in mods.items()})
+    """The runtime and every kind (``kinds``, whose files register their
+    adapters) loaded against the stand-in, named by their last part
+    (``state``, ``registry``, ``kinds``, ``grouped_linear``...); the seams
+    are installed into its files at the first drop-in call."""
+    mods = load_binding(monkeypatch, compat(), "runtime._step_hook", "runtime._attribution", "runtime._state",
+                        "runtime._shards", "runtime._call", "runtime._registry", "runtime._install", "runtime._modules",
+                        "runtime._construction", "kinds", "kinds.layernorm_mlp", "kinds.grouped_linear")
+    return SimpleNamespace(files=_FILES, **{name.rsplit(".", 1)[-1].lstrip("_"): m for name, m in mods.items()})

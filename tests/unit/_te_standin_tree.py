@@ -1,6 +1,6 @@
 """A stand-in TransformerEngine written to disk, for import checks on CPU.
 
-``te_integration._compat`` checks at import that every piece of TE the
+``te_integration.te._compat`` checks at import that every piece of TE the
 binding relies on exists and has the shape it expects; its checks read real
 source files (``inspect.getsource``), so the stand-in is a package on disk.
 It holds exactly the pieces ``_compat.SEAMS`` names, each defined with a
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _compat_literal(name: str):
     """A literal assigned in _compat.py (argument-tuple positions, field names)."""
-    tree = ast.parse((ROOT / "te_integration/_compat.py").read_text())
+    tree = ast.parse((ROOT / "te_integration/te/_compat.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
             return ast.literal_eval(node.value)

@@ -1,6 +1,6 @@
 """te_integration's attribution layer on CPU, with a stand-in for TE.
 
-CI has no TE, and ``te_integration._compat`` is the binding's only TE
+CI has no TE, and ``te_integration.te._compat`` is the binding's only TE
 import, so these tests give ``_attribution`` a stand-in ``_compat`` (TE's
 module classes and quantized-tensor base class) and drive it with toy
 modules that call the same hooks the seams call: a forward workspace made,
@@ -42,15 +42,17 @@ def attribution(monkeypatch):
         "TELayerNormMLP": type("_TELayerNormMLP", (torch.nn.Module,), {}),
         "TEGroupedLinear": type("_TEGroupedLinear", (torch.nn.Module,), {}),
     }
-    loaded = load_binding(monkeypatch, compat, "_attribution", "_state", "_levers", "_kinds")
-    kinds, kind = loaded["_kinds"], loaded["_state"].ModuleKind
-    # Attribution finds TE modules through the kind registry (the drop-in files fill it).
-    for member, name in ((kind.LINEAR, "TELinear"), (kind.LAYERNORM_LINEAR, "TELayerNormLinear"),
-                         (kind.LAYERNORM_MLP, "TELayerNormMLP"), (kind.GROUPED_LINEAR, "TEGroupedLinear")):
-        kinds.register(kinds.KindEntry(member, compat[name], type(f"Managed{name}", (compat[name],), {}), tuple))
-    loaded["_attribution"].state_module = loaded["_state"]
-    loaded["_attribution"].levers_module = loaded["_levers"]
-    return loaded["_attribution"]
+    loaded = load_binding(monkeypatch, compat, "runtime._attribution", "runtime._state", "runtime._levers",
+                          "runtime._registry")
+    registry = loaded["runtime._registry"]
+    # Attribution finds TE modules through the kind registry (the kinds' files fill it).
+    for kind, name in (("linear", "TELinear"), ("layernorm_linear", "TELayerNormLinear"),
+                       ("layernorm_mlp", "TELayerNormMLP"), ("grouped_linear", "TEGroupedLinear")):
+        drop_in = type(f"Managed{name}", (compat[name],), {"_wm_kind": registry.ModuleKind(kind)})
+        registry.register(registry.Adapter(drop_in._wm_kind, compat[name], drop_in, op=registry.OpHooks(list)))
+    loaded["runtime._attribution"].state_module = loaded["runtime._state"]
+    loaded["runtime._attribution"].levers_module = loaded["runtime._levers"]
+    return loaded["runtime._attribution"]
 
 
 def _plan():
@@ -159,7 +161,7 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
     layer = ToyLinear(attribution, managed=True)
     q = Float8PerTensorQuantizer().quantize(layer.weight, rowwise=True, columnwise=False)
     layer._fp8_workspaces["weight"] = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise)
-    state = attribution.state_module.ModuleWorkspaceState(attribution.state_module.ModuleKind.LINEAR)
+    state = attribution.state_module.ModuleWorkspaceState(attribution.state_module.ModuleKind("linear"))
     ctx = WorkspaceContext(capabilities=FLOAT8_CURRENT_SCALING, sharding=Sharding.NONE)
     state.remember(attribution.levers_module.levers_from_plan("weight", ctx, _plan()))
     layer.__dict__["_wm_state"] = state
@@ -200,7 +202,8 @@ def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
         param._quantizer = q
 
         class DropIn(_TELinear):
-            _wm_kind, _wm_state = attribution.state_module.ModuleKind.LINEAR, None  # what state_of reads of a drop-in
+            # what state_of reads of a drop-in
+            _wm_kind, _wm_state = attribution.state_module.ModuleKind("linear"), None
 
             def named_parameters(self, *args, **kwargs):  # a quantized parameter, as quantized_model_init makes
                 yield "weight", param

@@ -1,5 +1,5 @@
-"""A call's backward in two named phases (``_release.BackwardWork``) and the
-one rebuild mechanism (``_rebuild.Rebuild``), on the CPU stand-ins of TE.
+"""A call's backward in two named phases (``runtime/_release.BackwardWork``) and the
+one rebuild mechanism (``runtime/_rebuild.Rebuild``), on the CPU stand-ins of TE.
 
 * The before phase runs where each kind's backward starts, before TE's
   backward reads the saved weights (GroupedLinear's ``restore_from_func_ctx``
@@ -65,7 +65,7 @@ def _usages(weight) -> dict | str:
 # -- the before phase, before TE's backward reads -------------------------------------
 def test_grouped_linear_before_phase_runs_before_te_backward_reads_the_weights(ti, monkeypatch):
     events = []
-    rebuild_class = _binding("_adapter_grouped").ExpertRebuild
+    rebuild_class = _binding("kinds.grouped_linear").ExpertRebuild
     rebuild = rebuild_class.before_te_backward
     dgrad = grouped._dgrad
 
@@ -89,7 +89,7 @@ def test_grouped_linear_before_phase_runs_before_te_backward_reads_the_weights(t
 
 def test_te_ops_grouped_before_phase_runs_before_te_fuser_backward_reads_the_weights(ti, monkeypatch):
     events = []
-    grouped_ops = _binding("_adapter_ops_grouped")
+    grouped_ops = _binding("kinds.ops_grouped_linear")
     rebuild = grouped_ops.OpRebuild.before_te_backward
     te_fuser_backward = TEOpsGroupedLinear.fuser_backward
 
@@ -106,7 +106,7 @@ def test_te_ops_grouped_before_phase_runs_before_te_fuser_backward_reads_the_wei
     model = _ops_grouped(ti)
     out = model(torch.randn(EXPERTS * 2, IN, requires_grad=True))
     op_ctx = out.grad_fn.basic_op_ctxs[0]
-    assert isinstance(op_ctx._te_wm_backward, _binding("_release").BackwardWork)
+    assert isinstance(op_ctx._te_wm_backward, _binding("runtime._release").BackwardWork)
     out.sum().backward()
     assert events == ["before", [COLUMNWISE_ONLY] * EXPERTS], events
     assert op_ctx._te_wm_backward is None  # run once
@@ -114,7 +114,7 @@ def test_te_ops_grouped_before_phase_runs_before_te_fuser_backward_reads_the_wei
 
 # -- the after phase ------------------------------------------------------------------
 def test_the_after_phase_runs_when_te_backward_raises(ti, monkeypatch):
-    release = _binding("_release")
+    release = _binding("runtime._release")
     ran = []
     monkeypatch.setattr(release.BackwardWork, "after_te_backward", lambda work: ran.append(work))
     work = release.BackwardWork(module=None, cache_keys=("weight0", "weight1"))
@@ -130,7 +130,7 @@ def test_the_after_phase_runs_when_te_backward_raises(ti, monkeypatch):
 
 
 def test_a_work_with_only_a_before_phase_makes_no_after_phase_call(ti, monkeypatch):
-    release = _binding("_release")
+    release = _binding("runtime._release")
     ran = []
     monkeypatch.setattr(release.BackwardWork, "after_te_backward", lambda work: ran.append(work))
     ctx = SimpleNamespace(_te_wm_backward=release.BackwardWork(module=None, before_te_backward=lambda c, s: s))
@@ -141,7 +141,7 @@ def test_a_work_with_only_a_before_phase_makes_no_after_phase_call(ti, monkeypat
 def test_a_grouped_linear_backward_that_raises_still_releases_after_its_rebuild(ti, monkeypatch):
     """The before phase ran inside TE's backward, which then raised in its
     dgrad: the after phase still runs, once, after it."""
-    release = _binding("_release")
+    release = _binding("runtime._release")
     events = []
     after = release.BackwardWork.after_te_backward
     monkeypatch.setattr(release.BackwardWork, "after_te_backward", lambda work: (events.append("after"),
@@ -171,7 +171,7 @@ def quantized_again(ti, monkeypatch):
     """``[(tensor, rowwise, columnwise)]`` of every weight the one rebuild
     quantizes: one by one (``quantize_with_usage``) or, for many of one
     format, in one grouped call (``quantize_experts``)."""
-    rebuild = _binding("_rebuild")
+    rebuild = _binding("runtime._rebuild")
     seen, step, grouped = [], rebuild.quantize_with_usage, rebuild.quantize_experts
 
     def recording(quantizer, tensor, rowwise, columnwise, restore=True):
@@ -196,7 +196,7 @@ def _only_columnwise(seen: list, weights) -> bool:
 
 
 def test_a_dense_rebuild_is_a_rebuild_te_s_backward_runs(ti, quantized_again):
-    rebuild = _binding("_rebuild")
+    rebuild = _binding("runtime._rebuild")
     managed = _pinned(ti, ti.modules.convert_model(TELinear(8, 8, seed=1)), Sharding.FSDP2_RESHARD)
     out = managed(torch.randn(4, 8, requires_grad=True))
     quantizer = out.grad_fn.backward_objects.weight_quantizer
@@ -212,7 +212,7 @@ def test_a_grouped_linear_rebuild_is_a_rebuild_of_the_before_phase(ti, quantized
     out = managed(torch.randn(sum(SPLITS), IN, requires_grad=True), SPLITS)
     work = out.grad_fn._te_wm_backward
     part = work.before_te_backward.__self__
-    assert isinstance(part, _binding("_rebuild").Rebuild) and type(part).__name__ == "ExpertRebuild"
+    assert isinstance(part, _binding("runtime._rebuild").Rebuild) and type(part).__name__ == "ExpertRebuild"
     assert quantized_again == []
     out.sum().backward()
     assert _only_columnwise(quantized_again, [getattr(managed, f"weight{i}") for i in range(EXPERTS)])
@@ -222,7 +222,7 @@ def test_a_te_ops_grouped_rebuild_is_a_rebuild_of_the_before_phase(ti, quantized
     model = _ops_grouped(ti)
     out = model(torch.randn(EXPERTS * 2, IN, requires_grad=True))
     part = out.grad_fn.basic_op_ctxs[0]._te_wm_backward.before_te_backward.__self__
-    assert isinstance(part, _binding("_rebuild").Rebuild) and type(part).__name__ == "OpRebuild"
+    assert isinstance(part, _binding("runtime._rebuild").Rebuild) and type(part).__name__ == "OpRebuild"
     out.sum().backward()
     grouped_op, basic = model.ops
     assert _only_columnwise(quantized_again, [getattr(grouped_op, f"weight{i}") for i in range(EXPERTS)])

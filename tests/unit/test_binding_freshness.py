@@ -24,10 +24,10 @@ from workspace_manager import fsdp2_gathered_parameters
 @pytest.fixture
 def ti(monkeypatch):
     binding = load_full_binding(monkeypatch)
-    binding.stale = importlib.import_module("te_integration._stale")
-    binding.watch = importlib.import_module("te_integration._gemm_watch")
-    binding.freshness = sys.modules["te_integration._freshness"]
-    compat = sys.modules["te_integration._compat"]
+    binding.stale = importlib.import_module("te_integration.runtime._stale")
+    binding.watch = importlib.import_module("te_integration.runtime._gemm_watch")
+    binding.freshness = sys.modules["te_integration.runtime._freshness"]
+    compat = sys.modules["te_integration.te._compat"]
     monkeypatch.setattr(compat, "GEMM_SITES", ((binding.files["linear"], "general_gemm"),), raising=False)
     return binding
 

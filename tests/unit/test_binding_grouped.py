@@ -36,7 +36,7 @@ def _pair(ti, layout, sharding=Sharding.NONE, policy=None):
     stock, managed = (grouped.TEGroupedLinear(EXPERTS, IN, OUT, seed=5, single_grouped_weight=single,
                                               use_grouped_tensor=use_grouped) for _ in range(2))
     ti.modules.convert_model(managed)
-    state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR, policy, probe=FixedSharding(sharding))
+    state = ti.state.ModuleWorkspaceState(ti.state.ModuleKind("grouped_linear"), policy, probe=FixedSharding(sharding))
     managed.__dict__["_wm_state"] = state
     return stock, managed
 
@@ -126,7 +126,7 @@ def test_stock_grouped_linear_keeps_both_usages(ti, layout):
 @pytest.mark.parametrize("sharding", [Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP])
 def test_fsdp2_saves_no_workspace_and_backward_quantizes_the_weights_again(ti, layout, sharding, monkeypatch):
     rebuilt = []
-    original = ti.adapter_grouped.ExpertRebuild.before_te_backward
+    original = ti.grouped_linear.ExpertRebuild.before_te_backward
 
     def watching(self, ctx, saved):
         saved = original(self, ctx, saved)
@@ -136,7 +136,7 @@ def test_fsdp2_saves_no_workspace_and_backward_quantizes_the_weights_again(ti, l
         rebuilt.append([w.get_usages() for w in weights])
         return saved
 
-    monkeypatch.setattr(ti.adapter_grouped.ExpertRebuild, "before_te_backward", watching)
+    monkeypatch.setattr(ti.grouped_linear.ExpertRebuild, "before_te_backward", watching)
     stock, managed = _pair(ti, layout, sharding)
     seen = _train(stock, managed, first_flags=(True, False))
     assert all(slot == "param" for saved in seen for slot in _weight_slots(saved, layout)), seen
@@ -186,29 +186,29 @@ def test_under_no_grad_the_drop_in_computes_what_stock_does(ti):
 def test_convert_model_and_managed_construction_make_drop_ins(ti, monkeypatch):
     model = torch.nn.Sequential(grouped.TEGroupedLinear(EXPERTS, IN, OUT))
     ti.modules.convert_model(model)
-    assert type(model[0]) is ti.modules.GroupedLinear
-    te = ti.modules.te
+    assert type(model[0]) is ti.kinds.GroupedLinear
+    te = ti.call.te
     package = te.tep
     for module, name in ((te.mha_module, "Linear"), (te.mha_module, "LayerNormLinear"),
                          (te.transformer_module, "LayerNormMLP")):  # the dense kinds' names
         monkeypatch.setattr(module, name, object(), raising=False)
     with ti.construction.managed_construction():
-        assert package.GroupedLinear is ti.modules.GroupedLinear
+        assert package.GroupedLinear is ti.kinds.GroupedLinear
     assert package.GroupedLinear is grouped.TEGroupedLinear
 
 
 def test_an_unknown_saving_layout_is_refused_by_name(ti):
     with pytest.raises(RuntimeError, match="neither of TE 2.20's layouts"):
-        ti.adapter_grouped._weights_in_workspace_slots((None,) * 5, (object(),) * 3, 3)
+        ti.grouped_linear._weights_in_workspace_slots((None,) * 5, (object(),) * 3, 3)
 
 
 def test_the_saving_seam_leaves_a_slot_te_empties_empty(ti):
     """On the grouped-tensor path TE saves no workspace when no dgrad
     follows; the seam must not put a weight there."""
     weights = (torch.zeros(1), torch.zeros(1))
-    out = ti.adapter_grouped._weights_in_workspace_slots(("x", None, None, 1, 2, 3, 4), weights, 2)
+    out = ti.grouped_linear._weights_in_workspace_slots(("x", None, None, 1, 2, 3, 4), weights, 2)
     assert out == ("x", None, None, 1, 2, 3, 4)
-    out = ti.adapter_grouped._weights_in_workspace_slots(("x", "w0", "w1", 1, 2, 3, 4), weights, 2)
+    out = ti.grouped_linear._weights_in_workspace_slots(("x", "w0", "w1", 1, 2, 3, 4), weights, 2)
     assert out[1] is weights[0] and out[2] is weights[1]
 
 
@@ -241,9 +241,9 @@ def test_a_distributed_weight_keeps_te_s_gather_again_path(ti, monkeypatch):
     """Experts held as TE DistributedWeights: the plan is the distributed
     weight's (gathered again in backward, nothing saved), TE's own path runs
     unchanged, and numerics equal stock's."""
-    monkeypatch.setattr(ti.modules.te, "is_distributed_weight", lambda weight: True)
+    monkeypatch.setattr(ti.call.te, "is_distributed_weight", lambda weight: True)
     stock, managed = _pair(ti, (False, False))
-    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR)
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind("grouped_linear"))
     for module in (stock, managed):
         for p in module.parameters():
             p.is_distributed_weight = True

@@ -73,7 +73,7 @@ def _train(model, steps: int = 3, scenario: str = "plain", first_step: int = 0) 
 def test_stock_adapter_inside_a_drop_in_is_planned_as_itself(ti):
     stock, managed = LoRA(seed=1), LoRA(seed=1)
     ti.modules.convert_model(managed, module_filter=lambda mod, fqn: fqn != "adapter")
-    assert type(managed.adapter) is TELinear and isinstance(managed, ti.modules._ManagedModule)
+    assert type(managed.adapter) is TELinear and isinstance(managed, ti.modules.ManagedModule)
     for a, b in zip(_train(stock), _train(managed)):
         assert torch.equal(a, b)
     # Each cache holds a workspace of its own module's weight only.
@@ -248,7 +248,7 @@ def test_a_fault_in_a_nested_module_leaves_nothing_active(ti, monkeypatch, scena
             p.grad = None  # the failed step's partial gradients are discarded
     monkeypatch.setattr(LinearFunction, "fault", None)
     for module in managed.modules():
-        if isinstance(module, ti.modules._ManagedModule):
+        if isinstance(module, ti.modules.ManagedModule):
             # Every call window closed: no record left on the stack, TE's is_fsdp2 back to the state's probe.
             assert ti.call.ACTIVE.record is None and "is_fsdp2" not in module.__dict__
     expected += _train(stock, 2, scenario, first_step=1)

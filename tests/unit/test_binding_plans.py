@@ -162,17 +162,20 @@ def binding(monkeypatch):
         "is_distributed_weight": lambda weight: False,
         "clear_columnwise_cache": lambda tensor: None,
     }
-    modules = load_binding(monkeypatch, compat, "_attribution", "_state", "_call", "_quantize", "_release",
-                           "_adapter_mlp", "_functions", "_install")
+    modules = load_binding(monkeypatch, compat, "runtime._attribution", "runtime._state", "runtime._call",
+                           "runtime._quantize", "runtime._release", "kinds.linear", "kinds.layernorm_linear",
+                           "kinds.layernorm_mlp", "runtime._functions", "runtime._install")
     _LinearFunction.seen.clear()
     _MLPFunction.seen.clear()
     _LNLFunction.seen.clear()
-    kinds, seams = modules["_state"].ModuleKind, modules["_install"].SEAM_FUNCTIONS
-    return SimpleNamespace(phase=phase, state=modules["_state"], call=modules["_call"], te=modules["_call"].te,
-                           quantize=modules["_quantize"], release=modules["_release"], mlp=modules["_adapter_mlp"],
-                           functions=modules["_functions"],
-                           linear_seam=seams[kinds.LINEAR], lnl_seam=seams[kinds.LAYERNORM_LINEAR],
-                           mlp_seam=seams[kinds.LAYERNORM_MLP])
+    install = modules["runtime._install"]
+    seams = {name: install.seam_function_of(modules[f"kinds.{name}"].ADAPTER)
+             for name in ("linear", "layernorm_linear", "layernorm_mlp")}
+    return SimpleNamespace(phase=phase, state=modules["runtime._state"], call=modules["runtime._call"],
+                           te=modules["runtime._call"].te, quantize=modules["runtime._quantize"],
+                           release=modules["runtime._release"], mlp=modules["kinds.layernorm_mlp"],
+                           functions=modules["runtime._functions"], linear_seam=seams["linear"],
+                           lnl_seam=seams["layernorm_linear"], mlp_seam=seams["layernorm_mlp"])
 
 
 def _module(binding, kind: str, sharding: Sharding, policy=None):
@@ -181,8 +184,7 @@ def _module(binding, kind: str, sharding: Sharding, policy=None):
     ``policy`` pinned) and its cache."""
 
     probe = SimpleNamespace(read=lambda: sharding, current=lambda: sharding, stale=lambda: False)
-    kinds = binding.state.ModuleKind
-    kind = {"linear": kinds.LINEAR, "lnl": kinds.LAYERNORM_LINEAR, "lnmlp": kinds.LAYERNORM_MLP}[kind]
+    kind = binding.state.ModuleKind({"linear": "linear", "lnl": "layernorm_linear", "lnmlp": "layernorm_mlp"}[kind])
     state = binding.state.ModuleWorkspaceState(kind, policy, probe=probe)
     return SimpleNamespace(_wm_kind=kind, _wm_state=state, _fp8_workspaces={})
 
@@ -368,7 +370,7 @@ def test_layernorm_mlp_carries_out_fc1_and_fc2_plans_that_save_differently(bindi
     monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
     monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
     monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
-    seam = binding.functions.seam_function(binding.mlp.LAYERNORM_MLP)  # the seam over the patched forward
+    seam = binding.functions.seam_function(binding.mlp.ADAPTER.function)  # the seam over the patched forward
     fc1_w, fc2_w = object(), object()
     with _in_call(binding, module) as record:
         seam._forward(SimpleNamespace(), "x", None, None, fc1_w, None, None, fc2_w, None, None,
@@ -430,7 +432,7 @@ def test_layernorm_mlp_split_calls_on_two_threads_each_hand_te_none_for_their_ow
     monkeypatch.setattr(compat, "lnmlp_module", lnmlp_module, raising=False)
     monkeypatch.setattr(compat, "quantize_weight", quantize_weight, raising=False)
     monkeypatch.setattr(_MLPFunction, "_forward", staticmethod(forward))
-    seams = [binding.functions.seam_function(binding.mlp.LAYERNORM_MLP)]  # the seam over the patched forward
+    seams = [binding.functions.seam_function(binding.mlp.ADAPTER.function)]  # the seam over the patched forward
     call("first")
     first_done.set()
     threads[0].join(5)

@@ -1,4 +1,4 @@
-"""A drop-in call's record (``te_integration._call.CallRecord``) answers every
+"""A drop-in call's record (``te_integration.runtime._call.CallRecord``) answers every
 field whichever path made it and whatever its kind: the hot path
 (``_modules.prepare_forward``) fills the fields inline, the other paths
 through ``new_record``, and a kind's own data lives in ``part``."""

@@ -110,12 +110,12 @@ def _setting_id(setting: Setting) -> str:
 def _pair(ti, setting: Setting, policy: DrawnPlanPolicy):
     if setting.kind == "LayerNormMLP":
         stock, managed = (TELayerNormMLP(IN, FFN, seed=7, checkpoint=setting.own) for _ in range(2))
-        kind = ti.state.ModuleKind.LAYERNORM_MLP
+        kind = ti.state.ModuleKind("layernorm_mlp")
         if setting.mixed:
             stock.fc1_quantizer, managed.fc1_quantizer = Float8Quantizer(), Float8Quantizer()
     else:
         stock, managed = TELinear(IN, OUT, seed=7), TELinear(IN, OUT, seed=7)
-        kind = ti.state.ModuleKind.LINEAR
+        kind = ti.state.ModuleKind("linear")
         for module in (stock, managed):
             module.backward_override = setting.override
             module.calls = None  # a kept argument record would hold workspaces the plan releases
@@ -400,8 +400,8 @@ def test_layernorm_mlp_whose_fc1_and_fc2_save_differently_conforms(ti, monkeypat
     from workspace_manager import LeanWorkspacePolicy
 
     split = []
-    forward_split = ti.adapter_mlp._forward_split
-    monkeypatch.setattr(ti.adapter_mlp, "_forward_split", lambda *args: split.append(1) or forward_split(*args))
+    forward_split = ti.layernorm_mlp._forward_split
+    monkeypatch.setattr(ti.layernorm_mlp, "_forward_split", lambda *args: split.append(1) or forward_split(*args))
     for microbatches in ((None,), (True, False, False)):
         setting = Setting(Sharding.NONE, microbatches, recompute=False, no_grad=False, override=None,
                           input_grad=True, kind="LayerNormMLP", mixed=True)

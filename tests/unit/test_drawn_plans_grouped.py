@@ -93,12 +93,12 @@ def _slot_problem(slot: str, plan) -> str | None:
 
 
 def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> list[str]:
-    grouped.set_backward_override(ti.modules.te, setting.override)
+    grouped.set_backward_override(ti.call.te, setting.override)
     single, use_grouped = setting.layout
     stock, managed = (grouped.TEGroupedLinear(EXPERTS, IN, OUT, seed=3, single_grouped_weight=single,
                                               use_grouped_tensor=use_grouped) for _ in range(2))
     ti.modules.convert_model(managed)
-    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind.GROUPED_LINEAR, policy,
+    managed.__dict__["_wm_state"] = ti.state.ModuleWorkspaceState(ti.state.ModuleKind("grouped_linear"), policy,
                                                                   probe=FixedSharding(setting.sharding))
     opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in (stock, managed)]
     problems = []

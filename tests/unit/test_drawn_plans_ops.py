@@ -108,7 +108,8 @@ def _accepted(ctx, plan) -> bool:
     """Whether the binding's rules (the modules' and te.ops's) accept ``plan``."""
     import sys
 
-    modules, ops_rules = sys.modules["te_integration._plan_support"], sys.modules["te_integration._plan_support_ops"]
+    modules = sys.modules["te_integration.runtime._plan_support"]
+    ops_rules = sys.modules["te_integration.runtime._plan_support_ops"]
     return modules.unsupported_reason(ctx, plan) is None and ops_rules.ops_unsupported_reason(ctx, plan) is None
 
 

@@ -39,7 +39,7 @@ def _module(name: str):
 @pytest.fixture
 def grouped_calls(ti, monkeypatch):
     """``[(experts, rowwise, columnwise)]`` of each grouped kernel call."""
-    tex, seen = _module("_compat").tex, []
+    tex, seen = _module("te._compat").tex, []
     kernel = tex.group_quantize
 
     def counting(source, quantizer, count, splits, *args, **kwargs):
@@ -120,7 +120,7 @@ def test_quantizers_the_grouped_kernels_may_not_reproduce_fall_back_to_one_per_e
     lambda: [torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64)],
 ], ids=["a-missing-expert", "other-columns", "other-rows", "other-dtype"])
 def test_experts_that_do_not_fit_together_are_not_grouped(ti, grouped_calls, weights):
-    quantize_experts = _module("_expert_quantize").quantize_experts
+    quantize_experts = _module("runtime._expert_quantize").quantize_experts
     made = weights()
     quantizers = [_fake_te.Float8CurrentScalingQuantizer() for _ in made]
     assert quantize_experts(quantizers, made, True, False) is None
@@ -128,7 +128,7 @@ def test_experts_that_do_not_fit_together_are_not_grouped(ti, grouped_calls, wei
 
 
 def test_grouped_experts_hold_what_per_expert_quantization_holds(ti, grouped_calls):
-    quantize_experts = _module("_expert_quantize").quantize_experts
+    quantize_experts = _module("runtime._expert_quantize").quantize_experts
     weights = [torch.randn(4, 8) for _ in range(EXPERTS)]
     quantizers = [_fake_te.Float8CurrentScalingQuantizer() for _ in weights]
     outs = quantize_experts(quantizers, weights, False, True)

@@ -5,6 +5,7 @@ raises ForeignPatchError and changes nothing. CPU, with a stand-in for TE."""
 from __future__ import annotations
 
 import functools
+import sys
 import types
 
 import pytest
@@ -75,24 +76,23 @@ def _foreign_for(te: _StandInTE, where: str, name: str):
 
 
 def _load(monkeypatch, te: _StandInTE):
-    return load_binding(monkeypatch, te.compat(), "_step_hook", "_attribution", "_state", "_foreign_patches",
-                        "_call", "_quantize", "_install")
+    return load_binding(monkeypatch, te.compat(), "runtime._step_hook", "runtime._attribution", "runtime._state",
+                        "runtime._foreign_patches", "runtime._call", "runtime._quantize", "runtime._install", "kinds")
 
 
 def _seam_function(binding, name: str) -> type:
     """The installed Function seam that replaces TE's ``name``."""
-    kind = binding["_state"].ModuleKind
-    by_name = {"_Linear": kind.LINEAR, "_LayerNormLinear": kind.LAYERNORM_LINEAR, "_LayerNormMLP": kind.LAYERNORM_MLP}
-    return binding["_install"].SEAM_FUNCTIONS[by_name[name]]
+    kind = {"_Linear": "linear", "_LayerNormLinear": "layernorm_linear", "_LayerNormMLP": "layernorm_mlp"}[name]
+    return binding["runtime._install"].seam_function_of(sys.modules[f"te_integration.kinds.{kind}"].ADAPTER)
 
 
 def test_install_puts_every_seam_in_place_once(monkeypatch):
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_install"]
+    seams = binding["runtime._install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     seams.install()
-    ours = {"quantize_weight": binding["_quantize"].managed_quantize_weight,
+    ours = {"quantize_weight": binding["runtime._quantize"].managed_quantize_weight,
             **{n: _seam_function(binding, n) for n in ("_Linear", "_LayerNormLinear", "_LayerNormMLP")}}
     assert te.holders() == {
         f"{getattr(te, w).__name__}.{n}": ours[n] for w, n in SEAMED}
@@ -108,21 +108,21 @@ def test_a_foreign_patch_is_refused_and_kept(monkeypatch, where, name, order):
     if order == "before_import":
         setattr(module, name, _foreign_for(te, where, name))
     binding = _load(monkeypatch, te)
-    seams = binding["_install"]
+    seams = binding["runtime._install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     if order == "over_installed_seam":
         seams.install()
     if order != "before_import":
         setattr(module, name, _foreign_for(te, where, name))
     foreign, before = getattr(module, name), te.holders()
-    with pytest.raises(binding["_foreign_patches"].ForeignPatchError) as info:
+    with pytest.raises(binding["runtime._foreign_patches"].ForeignPatchError) as info:
         seams.install()
     message = str(info.value)
     assert f"{module.__name__}.{name} is otherlib.patches.{name}, neither TE's" in message
     assert "Nothing was changed" in message
     assert te.holders() == before  # nothing moved: the foreign patch is kept
     assert getattr(module, name) is foreign
-    with pytest.raises(binding["_foreign_patches"].ForeignPatchError):
+    with pytest.raises(binding["runtime._foreign_patches"].ForeignPatchError):
         seams.install()  # and every later managed forward is refused too, not only the first
 
 
@@ -130,11 +130,12 @@ def test_a_wrapper_keeping_tes_name_is_still_foreign(monkeypatch):
     """``functools.wraps`` copies TE's module and qualname; ``__wrapped__`` gives it away."""
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_install"]
+    seams = binding["runtime._install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     original = te.lnl.quantize_weight
     te.lnl.quantize_weight = functools.wraps(original)(lambda **kw: original(**kw))
-    with pytest.raises(binding["_foreign_patches"].ForeignPatchError, match="layernorm_linear.quantize_weight is"):
+    refused = binding["runtime._foreign_patches"].ForeignPatchError
+    with pytest.raises(refused, match="layernorm_linear.quantize_weight is"):
         seams.install()
 
 
@@ -146,9 +147,9 @@ def test_a_class_patched_at_import_and_removed_later_is_still_refused(monkeypatc
     te.linear._Linear = _foreign_for(te, "linear", "_Linear")
     binding = _load(monkeypatch, te)
     te.linear._Linear = original
-    seams = binding["_install"]
+    seams = binding["runtime._install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
-    with pytest.raises(binding["_foreign_patches"].ForeignPatchError, match="when te_integration was imported"):
+    with pytest.raises(binding["runtime._foreign_patches"].ForeignPatchError, match="when te_integration was imported"):
         seams.install()
     assert te.linear._Linear is original and te.lnl.quantize_weight is te.base.quantize_weight
 
@@ -184,15 +185,15 @@ def _installed(monkeypatch):
     """A stand-in TE with the seams installed: (te, binding, its _install)."""
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    monkeypatch.setattr(binding["_install"], "INSTALLED", False)
-    binding["_install"].install()
-    return te, binding, binding["_install"]
+    monkeypatch.setattr(binding["runtime._install"], "INSTALLED", False)
+    binding["runtime._install"].install()
+    return te, binding, binding["runtime._install"]
 
 
 def test_uninstall_puts_tes_definitions_back_and_a_later_install_the_seams(monkeypatch):
     te = _StandInTE()
     binding = _load(monkeypatch, te)
-    seams = binding["_install"]
+    seams = binding["runtime._install"]
     monkeypatch.setattr(seams, "INSTALLED", False)
     tes_own = te.holders()
     seams.uninstall()  # before any install: nothing to do
@@ -211,7 +212,7 @@ def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch
     module = getattr(te, where)
     setattr(module, name, _foreign_for(te, where, name))
     before = te.holders()
-    with pytest.raises(binding["_foreign_patches"].ForeignPatchError,
+    with pytest.raises(binding["runtime._foreign_patches"].ForeignPatchError,
                        match=r"cannot take its seams out.*Nothing was changed"):
         seams.uninstall()
     assert te.holders() == before and seams.INSTALLED is True
@@ -219,8 +220,8 @@ def test_uninstall_refuses_while_a_foreign_patch_holds_a_seamed_name(monkeypatch
 
 def test_uninstall_refuses_inside_a_drop_ins_forward(monkeypatch):
     te, binding, seams = _installed(monkeypatch)
-    call = binding["_call"]
-    state = binding["_state"].ModuleWorkspaceState(binding["_state"].ModuleKind.LINEAR)
+    call = binding["runtime._call"]
+    state = binding["runtime._state"].ModuleWorkspaceState(binding["runtime._state"].ModuleKind("linear"))
     record = call.new_record(object(), state, None, call.ACTIVE.record)
     call.ACTIVE.record = record
     try:

@@ -182,13 +182,14 @@ def test_pin_policy_pins_every_drop_in_and_refuses_a_model_without_one(monkeypat
 
     ti = load_full_binding(monkeypatch)
     package = sys.modules["te_integration"]  # the stand-in package: give it the public names pin_policy uses
-    for name in ("Linear", "LayerNormLinear", "LayerNormMLP", "set_workspace_policy"):
-        monkeypatch.setattr(package, name, getattr(ti.modules, name), raising=False)
+    for name in ("Linear", "LayerNormLinear", "LayerNormMLP"):
+        monkeypatch.setattr(package, name, getattr(ti.kinds, name), raising=False)
+    monkeypatch.setattr(package, "set_workspace_policy", ti.modules.set_workspace_policy, raising=False)
     model = torch.nn.Sequential(TELinear(8, 8, seed=1), torch.nn.ReLU(), TELinear(8, 8, seed=2))
     ti.modules.convert_model(model)
     option = named_policy("fsdp2_microbatch_cache")
     assert pin_policy(model, option) == 2
-    assert [m.workspace_policy for m in model if isinstance(m, ti.modules.Linear)] == [option, option]
+    assert [m.workspace_policy for m in model if isinstance(m, ti.kinds.Linear)] == [option, option]
     with pytest.raises(ValueError, match="holds no drop-in module"):
         pin_policy(torch.nn.Sequential(torch.nn.ReLU()), option)
 

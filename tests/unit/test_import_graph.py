@@ -220,3 +220,110 @@ def test_an_import_of_a_forbidden_package_is_found(tmp_path):
     assert imports_of(tmp_path, ("benchmarks", "tests")) == [
         "by_name.py: benchmarks.plot", "by_name.py: tests", "deferred.py: benchmarks.timeline", "top.py: benchmarks",
     ]
+
+
+# -- te_integration's layers: te/, runtime/, kinds/ ------------------------------------------------
+
+BINDING_DIR = REPO / "te_integration"
+#: layer -> the layers none of its modules may import (the package root, which imports all three, is none).
+LAYERS = {"te": ("runtime", "kinds"), "runtime": ("kinds",), "kinds": ()}
+
+
+def layer_violations(graph: dict[str, set[str]], package: str) -> list[str]:
+    """``module -> imported`` for each import of a layer the importer's layer may not import."""
+    def layer(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                  if layer(module) and layer(target) in LAYERS[layer(module)])
+
+
+def test_te_integration_has_no_import_cycle_and_its_layers_import_downwards_only():
+    graph = import_graph(BINDING_DIR, "te_integration")
+    # Not vacuous: the root imports each layer, and a kind imports the runtime and the TE layer.
+    assert {"te_integration.kinds", "te_integration.runtime._modules"} <= graph["te_integration"]
+    assert {"te_integration.runtime._registry", "te_integration.te._compat"} <= graph["te_integration.kinds.linear"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert layer_violations(graph, "te_integration") == []
+
+
+def test_a_layer_importing_upwards_is_found(tmp_path):
+    _write(tmp_path, {
+        "__init__.py": "from . import kinds\n",
+        "te/__init__.py": "", "te/_compat.py": "def f():\n    from ..runtime import _state\n",
+        "runtime/__init__.py": "", "runtime/_state.py": "from ..te import _compat\n",
+        "runtime/_bad.py": "from ..kinds.linear import KIND\n",
+        "kinds/__init__.py": "", "kinds/linear.py": "from ..runtime import _state\n",
+    })
+    assert layer_violations(import_graph(tmp_path, "te_integration"), "te_integration") == [
+        "te_integration.runtime._bad -> te_integration.kinds.linear",
+        "te_integration.te._compat -> te_integration.runtime",
+        "te_integration.te._compat -> te_integration.runtime._state",
+    ]
+
+
+def kind_names(kinds_dir: Path) -> set[str]:
+    """The names a kind goes by in code, read from each kind file: its classes
+    (its drop-ins), the TE classes they subclass and the TE classes and
+    Functions its adapter names (``te_class=te.TELinear``,
+    ``function=te.LinearFunction``: the attribute after the TE layer's
+    alias), the name of its TE Function (``name="_Linear"``), and its
+    ``ModuleKind``'s name as a constant (``ModuleKind("linear")``: ``LINEAR``)."""
+    names: set[str] = set()
+
+    def te_attribute(node: ast.AST) -> set[str]:
+        return ({node.attr} if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in ("te", "te_ops") else set())
+
+    for path in sorted(kinds_dir.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                names.add(node.name)
+                names |= set().union(*map(te_attribute, node.bases))
+            elif isinstance(node, ast.Call):
+                for keyword in node.keywords:
+                    if keyword.arg in ("te_class", "function"):
+                        names |= te_attribute(keyword.value)
+                    elif keyword.arg == "name" and isinstance(keyword.value, ast.Constant):
+                        names.add(keyword.value.value)
+                if getattr(node.func, "id", None) == "ModuleKind" and isinstance(node.args[0], ast.Constant):
+                    names.add(node.args[0].value.upper())
+    return names
+
+
+def named_kinds(source: str, names: set[str]) -> list[str]:
+    """The identifiers in ``source``'s code (names and attributes; not strings,
+    docstrings or comments) that are among ``names``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in names:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            found.add(node.attr)
+        elif isinstance(node, ast.alias) and node.name.split(".")[-1] in names:
+            found.add(node.name.split(".")[-1])
+    return sorted(found)
+
+
+def test_the_runtime_names_no_kind():
+    names = kind_names(BINDING_DIR / "kinds")
+    # Not vacuous: every kind's drop-in and TE class is among the names looked for.
+    assert {"Linear", "TELinear", "LinearFunction", "_Linear", "LINEAR", "GroupedLinear", "TEGroupedLinear",
+            "GroupedFunction", "OpsBasicLinear", "BasicLinear", "OPS_BASIC_LINEAR", "OpsGroupedLinear", "OpsLinear",
+            "LayerNormMLP", "TELayerNormMLP", "LAYERNORM_MLP"} <= names
+    found = {path.relative_to(REPO).as_posix(): named_kinds(path.read_text(), names)
+             for path in sorted((BINDING_DIR / "runtime").glob("*.py"))}
+    assert {path: hits for path, hits in found.items() if hits} == {}
+
+
+def test_a_runtime_module_naming_a_kind_is_found():
+    names = {"Linear", "TELinear", "LINEAR"}
+    bad = ("from ..te import _compat as te\nfrom ..kinds.linear import Linear\n"
+           "def f(m):\n    '''Linear, in a docstring, is fine'''\n"
+           "    return isinstance(m, te.TELinear) or m is KINDS.LINEAR\n")
+    assert named_kinds(bad, names) == ["LINEAR", "Linear", "TELinear"]
+    assert named_kinds("x = 'Linear'  # Linear\n", names) == []

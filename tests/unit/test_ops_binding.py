@@ -111,7 +111,7 @@ def test_stock_ops_run_te_unchanged_next_to_drop_ins(ti):
 def test_managed_construction_builds_drop_in_ops(ti, monkeypatch):
     import sys
 
-    compat = sys.modules["te_integration._compat"]
+    compat = sys.modules["te_integration.te._compat"]
     for module, name in ((compat.mha_module, "Linear"), (compat.mha_module, "LayerNormLinear"),
                          (compat.transformer_module, "LayerNormMLP")):
         monkeypatch.setattr(module, name, None, raising=False)  # the stand-in's composite modules build none
@@ -136,7 +136,7 @@ def test_a_plan_te_ops_cannot_carry_out_is_refused_by_name(ti):
         _step(managed)
     text = str(err.value)
     assert "te.ops.BasicLinear" in text and "forward_usage=rowwise" in text and "Context" in text
-    # Refused where the shape is planned (the kind's registry entry), so the plan is never memoized.
+    # Refused where the shape is planned (the kind's adapter), so the plan is never memoized.
     assert any(frame.name == "_require_kind_supports" for frame in err.traceback)
     assert ti.modules.workspace_state(managed).shapes_planned() == 0
 
@@ -208,7 +208,7 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
     from workspace_manager import (PROFILES, BackwardOverride, Microbatch, RecomputePass, RecomputeScope,
                                    WeightSource, WorkspaceContext, named_policy, plan_call)
 
-    path = Path(__file__).resolve().parents[2] / "te_integration" / "_plan_support_ops.py"
+    path = Path(__file__).resolve().parents[2] / "te_integration" / "runtime" / "_plan_support_ops.py"
     spec = importlib.util.spec_from_file_location("_plan_support_ops", path)
     rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rules)
@@ -253,6 +253,6 @@ def test_a_stock_grouped_linear_inside_a_te_ops_call_saves_as_te_does(ti, monkey
 
     monkeypatch.setattr(type(managed), "op_forward", op_forward)
     _step(managed)
-    assert grouped._file().prepare_for_saving.__module__ == "te_integration._adapter_grouped"  # the seam ran
+    assert grouped._file().prepare_for_saving.__module__ == "te_integration.kinds.grouped_linear"  # the seam ran
     (tensors, objects), = saved
     assert len(tensors) == 1 and objects == [None]  # TE's own result for one plain tensor

@@ -61,7 +61,7 @@ def _qparam_levers(columnwise):
     from workspace_manager import BackwardSource
 
     plan = SimpleNamespace(columnwise_source=columnwise, backward_source=BackwardSource.SAVED_PARAMETER)
-    return SimpleNamespace(is_quantized_param=True, plan=plan)
+    return SimpleNamespace(is_quantized_param=True, plan=plan, releases=False)
 
 
 def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_quantized_params(ti):
@@ -74,7 +74,7 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
 
     from workspace_manager import ColumnwiseSource
 
-    grouped = sys.modules["te_integration._adapter_ops_grouped"]
+    grouped = sys.modules["te_integration.kinds.ops_grouped_linear"]
     quantizer = _fake_te.Float8CurrentScalingQuantizer()
     params = [quantizer.quantize(torch.randn(OUT, IN)) for _ in range(GROUPS)]
     for p in params:
@@ -82,7 +82,7 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
     levers = _qparam_levers(ColumnwiseSource.DERIVED)
     record = SimpleNamespace(module=None, weights=tuple(x for p in params for x in (p, levers)))
     ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=(torch.ones(1), *params))
-    grouped.grouped_backward_work(ctx, record)
+    grouped._edit_op_ctx(ctx, record)
     grouped.grouped_before_backward(ctx)
     assert all(p.get_usages() == {"rowwise": True, "columnwise": True} for p in params)
     assert all(torch.equal(p._transpose, p._data.t()) for p in params)
@@ -93,6 +93,6 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
     record = SimpleNamespace(module=None,
                              weights=tuple(x for p in kept for x in (p, _qparam_levers(ColumnwiseSource.PARAMETER))))
     ctx = SimpleNamespace(input_requires_grad=True, saved_tensors=tuple(kept))
-    grouped.grouped_backward_work(ctx, record)
+    grouped._edit_op_ctx(ctx, record)
     grouped.grouped_before_backward(ctx)
     assert all(not p.get_usages()["columnwise"] for p in kept)

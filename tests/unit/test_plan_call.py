@@ -60,7 +60,7 @@ def test_it_plans_from_a_context_only():
 
 def test_the_context_is_the_one_description_of_a_call():
     """No second type that copies its fields, and no memo in the core: a
-    binding memoizes (``te_integration/_state.py``)."""
+    binding memoizes (``te_integration/runtime/_state.py``)."""
     assert "plan_call" in wm.__all__
     assert not {"CallShape", "PlannedCall"} & (set(wm.__all__) | set(dir(wm)))
     assert not hasattr(plan_call, "cache_info")

@@ -1,5 +1,5 @@
 """Which valid plans the binding carries out, and the clear refusal of the
-rest (te_integration/_plan_support.py), on CPU against a stand-in TE.
+rest (te_integration/runtime/_plan_support.py), on CPU against a stand-in TE.
 
 Also D9 (a backward rebuild builds only what dgrad reads) and D7 (a TE
 distributed weight is planned by the policy), driven through the public
@@ -44,8 +44,8 @@ def ti(monkeypatch):
     LinearFunction.rebuilt.clear()
     ti = load_full_binding(monkeypatch)
     # Loaded with the binding (``_state`` imports them), against the same stand-in.
-    ti.plan_support = importlib.import_module("te_integration._plan_support")
-    ti.rebuild = importlib.import_module("te_integration._rebuild")
+    ti.plan_support = importlib.import_module("te_integration.runtime._plan_support")
+    ti.rebuild = importlib.import_module("te_integration.runtime._rebuild")
     return ti
 
 

@@ -50,13 +50,15 @@ def ti(monkeypatch):
         "LNL_ARGS": {}, "LNMLP_ARGS": {}, "linear_module": types.ModuleType("te.linear"),
         "lnl_module": types.ModuleType("te.layernorm_linear"), "lnmlp_module": types.ModuleType("te.layernorm_mlp"),
     }
-    names = ("_argument_checks", "_step_hook", "_attribution", "_state", "_foreign_patches", "_install", "_shards",
-             "_modules", "_construction")
+    names = ("runtime._argument_checks", "runtime._step_hook", "runtime._attribution", "runtime._state",
+             "runtime._foreign_patches", "runtime._install", "runtime._shards", "runtime._modules",
+             "runtime._construction", "kinds")
     loaded = load_binding(monkeypatch, compat, *names)
-    ns = types.SimpleNamespace(**{n: getattr(loaded["_modules"], n) for n in loaded["_modules"].__all__})
-    ns.managed_construction = loaded["_construction"].managed_construction
-    ns.workspace_report = loaded["_attribution"].workspace_report
-    ns.record_workspaces = loaded["_attribution"].record_workspaces
+    ns = types.SimpleNamespace(**{n: getattr(loaded[m], n) for m in ("runtime._modules", "kinds")
+                                  for n in loaded[m].__all__})
+    ns.managed_construction = loaded["runtime._construction"].managed_construction
+    ns.workspace_report = loaded["runtime._attribution"].workspace_report
+    ns.record_workspaces = loaded["runtime._attribution"].record_workspaces
     ns.mha, ns.transformer = mha, transformer
     return ns
 

@@ -26,7 +26,7 @@ def ti(monkeypatch):
 
 
 def _counter(ti) -> QuantizationCounter:
-    return QuantizationCounter(compat=sys.modules["te_integration._compat"],
+    return QuantizationCounter(compat=sys.modules["te_integration.te._compat"],
                                quantizer_base=Float8CurrentScalingQuantizer, quantized=Workspace)
 
 

@@ -20,12 +20,13 @@ from workspace_manager import RECIPE_PROFILES
 def binding(monkeypatch):
     from _fake_te import compat
 
-    return load_binding(monkeypatch, compat(), "_attribution", "_state", "_levers", "_saved_tensors")
+    return load_binding(monkeypatch, compat(), "runtime._attribution", "runtime._state", "runtime._levers",
+                        "runtime._saved_tensors")
 
 
 def _levers(binding, **fields):
     ctx = WorkspaceContext(capabilities=RECIPE_PROFILES["Float8CurrentScaling"], **fields)
-    return binding["_levers"].levers_from_plan("weight", ctx, select_policy(ctx).plan(ctx))
+    return binding["runtime._levers"].levers_from_plan("weight", ctx, select_policy(ctx).plan(ctx))
 
 
 def test_plain_training_saves_columnwise_only(binding):
@@ -62,7 +63,7 @@ class _Saves(torch.autograd.Function):
 
 
 def test_a_dropped_rowwise_tensor_reaches_backward_as_none_and_is_freed(binding):
-    saved_tensors = binding["_saved_tensors"]
+    saved_tensors = binding["runtime._saved_tensors"]
     x = torch.ones(3, requires_grad=True)
     rowwise, columnwise, scale = torch.ones(4), torch.full((4,), 2.0), torch.tensor(3.0)
     alive = weakref.ref(rowwise)
@@ -76,7 +77,7 @@ def test_a_dropped_rowwise_tensor_reaches_backward_as_none_and_is_freed(binding)
 
 
 def test_rowwise_parts_follow_each_storage_layout(binding):
-    parts = binding["_saved_tensors"].rowwise_parts
+    parts = binding["runtime._saved_tensors"].rowwise_parts
     data, transpose, scale = torch.ones(2), torch.ones(2), torch.ones(1)
     fp8 = SimpleNamespace(_data=data, _transpose=transpose, _transpose_invalid=False, _scale_inv=scale)
     assert parts(fp8) == [data]  # the scale serves both directions

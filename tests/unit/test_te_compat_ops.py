@@ -18,7 +18,8 @@ from test_te_compat_seams import _LOAD_COMPAT
 ROOT = Path(__file__).resolve().parents[2]
 
 # The modules' layer's loader (test_te_compat_seams), loading the te.ops layer instead.
-_LOAD = _LOAD_COMPAT.replace("import te_integration._compat as compat", "import te_integration._compat_ops as compat")
+_LOAD = _LOAD_COMPAT.replace("import te_integration.te._compat as compat",
+                             "import te_integration.te._compat_ops as compat")
 assert _LOAD != _LOAD_COMPAT
 
 

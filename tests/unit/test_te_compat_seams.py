@@ -25,7 +25,7 @@ _LOAD_COMPAT = textwrap.dedent(
     package.__path__ = [{str(ROOT / "te_integration")!r}]
     sys.modules["te_integration"] = package
     try:
-        import te_integration._compat as compat
+        import te_integration.te._compat as compat
     except Exception as err:
         print(type(err).__name__, err)
         sys.exit(3)
@@ -77,7 +77,7 @@ def test_the_issue_example_a_linear_without_linear_eager(tmp_path):
     result = _run(root, code)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("te_integration._compat.UnsupportedTEError"), result.stderr
+    assert last.startswith("te_integration.te._compat.UnsupportedTEError"), result.stderr
     assert "`_linear_eager` in transformer_engine/pytorch/module/linear.py" in last
     assert "transformer_engine[pytorch]>=2.20,<2.21" in last and "report" in last
     assert "AttributeError" not in result.stderr

@@ -137,7 +137,7 @@ def our_decisions(case: ref.TECase, plan: WorkspacePlan) -> dict[str, object]:
 
 
 def _saves_columnwise_only(case: ref.TECase, plan: WorkspacePlan) -> bool:
-    """D11, as the binding decides it (``te_integration/_state.py``): a fresh
+    """D11, as the binding decides it (``te_integration/runtime/_state.py``): a fresh
     (uncached) workspace saved for a backward that reads only its columnwise
     data, outside recompute passes."""
     return (case.weight == "high_precision" and case.recompute == "none" and plan.cache is CacheAction.BYPASS

@@ -29,9 +29,9 @@ KEEP = KeepForBackwardWorkspacePolicy()
 
 @pytest.fixture
 def binding(monkeypatch):
-    mods = load_binding(monkeypatch, compat(), "_step_hook", "_attribution", "_state", "_shards", "_install", "_modules",
-                        "_budget")
-    return mods["_modules"], mods["_budget"]
+    mods = load_binding(monkeypatch, compat(), "runtime._step_hook", "runtime._attribution", "runtime._state",
+                        "runtime._shards", "runtime._install", "runtime._modules", "runtime._budget", "kinds")
+    return mods["runtime._modules"], mods["runtime._budget"]
 
 
 def _stack(modules, *, shard: bool = True) -> torch.nn.Sequential:

@@ -12,7 +12,7 @@ import importlib
 
 from workspace_manager import TE_QUANTIZER_PROFILES, QuantizerCapabilities, default_registry, quantizer_capabilities
 
-from ._compat import VERSION, UnsupportedTEError
+from ..te._compat import VERSION, UnsupportedTEError
 
 _HYBRID = "transformer_engine.pytorch.tensor.hybrid_tensor.HybridQuantizer"
 

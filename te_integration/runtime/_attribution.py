@@ -32,9 +32,10 @@ from workspace_manager import (
     workspace_kind,
 )
 
-from . import _compat as te
+from ..te import _compat as te
 from ._step_hook import add_step_task, ensure_hook
 from ._argument_checks import expect_bool, expect_module
+from ._registry import adapters
 
 __all__ = ["workspace_report", "record_workspaces", "WorkspaceRecording"]
 
@@ -151,9 +152,7 @@ def _sharding(module: Any) -> Any:
 def te_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """``(path, module)`` of every module of ``model`` that is an instance
     of a registered kind's TE class (stock or drop-in: drop-ins subclass it)."""
-    from ._kinds import entries  # the registry imports the runtime, which imports this module
-
-    classes = tuple(entry.te_class for entry in entries())
+    classes = tuple(adapter.te_class for adapter in adapters())
     return [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
 
 

@@ -1,21 +1,23 @@
-"""What every drop-in's mixin shares (``_modules._ManagedModule`` for TE's
-modules, ``_modules_ops.ManagedOp`` for te.ops's ops): the pinned policy as
-a property, the sharded quantized parameters trimmed to their plan after
+"""The drop-ins' mixins: what every one shares (:class:`ManagedCommon`, under
+``_modules.ManagedModule`` for TE's modules and :class:`ManagedOp` for
+te.ops's ops): the pinned policy as a property, the sharded quantized parameters trimmed to their plan after
 TE's ``reset_parameters`` and ``_load_from_state_dict`` (D10), and no
 quantized copy kept past a move of the module's parameters or a state-dict
 load (D12)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from workspace_manager import WorkspacePolicy
 
+from . import _install
 from ._freshness import placement, release_module
+from ._registry import ModuleKind
 from ._shards import trim_sharded_parameters
-from ._state import state_of
+from ._state import ModuleWorkspaceState, state_of
 
-__all__ = ["ManagedCommon"]
+__all__ = ["ManagedCommon", "ManagedOp"]
 
 
 class ManagedCommon:
@@ -52,3 +54,24 @@ class ManagedCommon:
     @workspace_policy.setter
     def workspace_policy(self, policy: WorkspacePolicy | None) -> None:
         state_of(self).policy = policy
+
+
+class ManagedOp(ManagedCommon):
+    """Mixin placed before a te.ops basic operation class. It holds no
+    workspace logic (the te.ops seams carry out the plans, finding the op
+    among the ops of each fuser call): it installs the seams before the op's
+    first fuser call (TE calls every op's ``pre_fuser_forward`` before
+    looking up the fuser's autograd Function), and keeps sharded quantized
+    parameters trimmed to their plan as the modules' mixin does. It adds no
+    parameter, buffer or submodule, so ``state_dict`` is TE's."""
+
+    _wm_kind: ClassVar[ModuleKind]
+    _wm_state: ModuleWorkspaceState | None = None
+    _wm_installed: bool = False
+
+    def pre_fuser_forward(self, *, requires_grad: bool) -> None:
+        if not self._wm_installed or not _install.INSTALLED:
+            _install.install()
+            state_of(self)
+            self.__dict__["_wm_installed"] = True
+        super().pre_fuser_forward(requires_grad=requires_grad)

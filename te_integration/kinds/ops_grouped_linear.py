@@ -1,10 +1,11 @@
-"""``te.ops.GroupedLinear`` under the policy: what its drop-in's methods do.
+"""``te.ops.GroupedLinear`` under the policy: its drop-in ``OpsGroupedLinear``.
 
 The op is found, as ``BasicLinear`` is, among the ops of a fuser call (the
-fuser Function seam in ``_adapter_ops`` pushes its record). Its forward
-quantizes and saves its weights in its own methods, not through
-``BasicLinear._functional_forward``, so the drop-in (``_modules_ops``)
-overrides those methods and calls these functions:
+fuser Function seam in ``runtime/_ops_fuser`` pushes its record, and asks
+:func:`_edit_op_ctx` for backward's levers). Its forward quantizes and
+saves its weights in its own methods, not through
+``BasicLinear._functional_forward``, so the drop-in overrides those methods
+and calls these functions:
 
 * Both forward paths (``_fuser_forward_split_quantize`` and, where TE picks
   it, ``_fuser_forward_grouped_tensor``) take ``input_requires_grad``,
@@ -32,17 +33,23 @@ call these methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
-from . import _compat as te
-from ._freshness import is_per_tensor
-from ._call import ACTIVE, recompute_pass
-from ._rebuild import Rebuild
-from ._release import BackwardWork
+from ..runtime._call import ACTIVE, recompute_pass
+from ..runtime._freshness import is_per_tensor
+from ..runtime._managed_common import ManagedOp
+from ..runtime._plan_support_ops import ops_unsupported_reason
+from ..runtime._rebuild import Rebuild
+from ..runtime._registry import Adapter, ModuleKind, OpHooks, register
+from ..runtime._release import BackwardWork
+from ..te import _compat as te
+from ..te import _compat_ops as te_ops
 
-__all__ = ["DeriveColumnwise", "OpRebuild", "grouped_forward", "grouped_before_backward", "grouped_backward_work"]
+__all__ = ["OpsGroupedLinear"]
 
+KIND = ModuleKind("ops_grouped_linear")
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
 
 
@@ -99,17 +106,20 @@ def grouped_forward(op, te_method, kwargs: dict):
     return out, saved
 
 
-def grouped_backward_work(op_ctx, record) -> None:
-    """Leave on the op's context the :class:`BackwardWork` whose before
-    phase its ``fuser_backward`` runs: an :class:`OpRebuild` of the weights
-    saved in high precision, or a :class:`DeriveColumnwise` of the quantized
-    parameters saved. te.ops runs one backward per op inside the fuser's,
-    so the op's context carries the phase; the release is the fuser's
-    (``_adapter_ops``), after every op's backward, also when one raises."""
+def _edit_op_ctx(op_ctx, record) -> list:
+    """The fuser seam's hook (``OpHooks.edit_ctx``): leave on the op's context
+    the :class:`BackwardWork` whose before phase its ``fuser_backward`` runs:
+    an :class:`OpRebuild` of the weights saved in high precision, or a
+    :class:`DeriveColumnwise` of the quantized parameters saved. te.ops runs
+    one backward per op inside the fuser's, so the op's context carries the
+    phase; the release is the fuser's (``runtime/_ops_fuser``), after every
+    op's backward, also when one raises: the returned weights whose plans
+    release."""
     weights = record.weights
+    releases = [(weights[i], weights[i + 1]) for i in range(0, len(weights), 2) if weights[i + 1].releases]
     levers = weights[1]
     if not getattr(op_ctx, "input_requires_grad", 0):
-        return
+        return releases
     count = len(weights) // 2
     if levers.is_quantized_param:
         # TE's grouped op reads the parameters' columnwise data as it finds it
@@ -121,12 +131,13 @@ def grouped_backward_work(op_ctx, record) -> None:
         usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
         before = OpRebuild(op_ctx.weight_quantizers[:count], usage)
     else:
-        return
+        return releases
     op_ctx._te_wm_backward = BackwardWork(record.module, before_te_backward=before.before_te_backward)
+    return releases
 
 
 class OpRebuild(Rebuild):
-    """te.ops GroupedLinear's part of the one rebuild (``_rebuild``): the
+    """te.ops GroupedLinear's part of the one rebuild (``runtime/_rebuild``): the
     weights go back into the op context's saved tensors (the last of them),
     before TE's ``fuser_backward`` reads them."""
 
@@ -168,6 +179,34 @@ def grouped_before_backward(op_ctx) -> None:
     ``fuser_backward`` starts: the saved weights made as the plan says
     before TE's backward reads them. Run once."""
     work = getattr(op_ctx, "_te_wm_backward", None)
-    if work is not None:  # set only with a before phase (grouped_backward_work)
+    if work is not None:  # set only with a before phase (_edit_op_ctx)
         op_ctx._te_wm_backward = None
         op_ctx.saved_tensors = work.before_te_backward(op_ctx, op_ctx.saved_tensors)
+
+
+class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
+    """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
+    (each group's weight planned under its own key; see the module docstring)."""
+
+    _wm_kind = KIND
+
+    def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs)
+
+    def _fuser_forward_grouped_tensor(self, **kwargs: Any) -> Any:
+        return grouped_forward(self, super()._fuser_forward_grouped_tensor, kwargs)
+
+    def fuser_backward(self, basic_op_ctxs: Any, grad_output: Any, **kwargs: Any) -> Any:
+        grouped_before_backward(basic_op_ctxs[0])  # the before phase of the op's BackwardWork
+        return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
+
+
+# Its records are opened by the fuser Function seam, as BasicLinear's are
+# (install replaces that name once); the public name is te.ops.GroupedLinear.
+ADAPTER = Adapter(
+    kind=KIND, te_class=te_ops.GroupedLinear, drop_in=OpsGroupedLinear, order=60,
+    construction=((te_ops.ops_package, "GroupedLinear"),),
+    explain_name="te.ops.GroupedLinear", explain_note="one plan for all experts", refusal=ops_unsupported_reason,
+    op=OpHooks(edit_ctx=_edit_op_ctx),
+)
+register(ADAPTER)

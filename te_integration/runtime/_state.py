@@ -6,13 +6,13 @@ module's FSDP2 sharding, the memo of TE levers per call shape, the plans of
 the latest call, what it knows of the cache entries it filled, and its
 rebuild quantizers. The module holds it as ``_wm_state``; nothing else of
 ours is stored on the module, and nothing of one call (that is the
-:class:`~te_integration._call.CallRecord`).
+:class:`~te_integration.runtime._call.CallRecord`).
 
 Why a memo of levers: a training step repeats a handful of call shapes.
 The first call of each shape describes it as a
 :class:`~workspace_manager.WorkspaceContext`, asks the policy
 (``plan_call``) and turns the plan into
-:class:`~te_integration._levers.Levers`, the few values TE's code reads;
+:class:`~te_integration.runtime._levers.Levers`, the few values TE's code reads;
 every later call of that shape is one dictionary lookup. This memo is the
 only one between a call and its plan; the plan and its context stay
 reachable from the levers, for :func:`last_plans`, ``explain`` and
@@ -23,7 +23,6 @@ the memo when quantizer registrations change).
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 from workspace_manager import (
@@ -43,27 +42,15 @@ from workspace_manager import (
     quantizer_capabilities,
 )
 
-from . import _compat as te
+from ..te import _compat as te
 from ._levers import Levers, levers_from_plan
 from ._plan_support import UnsupportedPlanError, require_same_passes, require_supported
 from ._freshness import STAMP, refresh_parameter
 from ._rebuild import RebuildQuantizer
+from ._registry import ModuleKind, refusal_of
 from ._step_hook import STEPS, ensure_hook, track
 
-__all__ = ["ModuleKind", "ModuleWorkspaceState", "state_of"]
-
-
-class ModuleKind(enum.Enum):
-    """Which TE module a drop-in is; each has one adapter (``_adapters``)."""
-
-    LINEAR = "linear"
-    LAYERNORM_LINEAR = "layernorm_linear"
-    LAYERNORM_MLP = "layernorm_mlp"
-    GROUPED_LINEAR = "grouped_linear"
-    #: ``te.ops.BasicLinear`` (also inside ``te.ops.Linear`` and the fused ops built on it).
-    OPS_BASIC_LINEAR = "ops_basic_linear"
-    #: ``te.ops.GroupedLinear`` (the basic op).
-    OPS_GROUPED_LINEAR = "ops_grouped_linear"
+__all__ = ["ModuleWorkspaceState", "state_of"]
 
 
 #: Instance-dependent capabilities -> a small int for memo keys (see
@@ -233,9 +220,7 @@ class ModuleWorkspaceState:
         return levers_from_plan(key, ctx, plan)
 
     def _require_kind_supports(self, key: str, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
-        """The kind's own refusals (its registry entry's), at planning."""
-        from ._kinds import refusal_of  # the registry imports this module
-
+        """The kind's own refusals (its adapter's), at planning."""
         found = refusal_of(self.kind)
         reason = found[1](ctx, plan) if found is not None else None
         if reason is not None:

@@ -10,7 +10,7 @@ build rowwise data only and save the high-precision weight, which backward
 quantizes again with the op's weight quantizer (``_functional_backward``).
 Under ``backward_override="dequantized"`` that backward dequantizes what it
 is given; the binding's ``_functional_backward`` seam quantizes a weight
-planned ``requantize`` first (``_adapter_ops``).
+planned ``requantize`` first (``kinds/ops_linear``).
 """
 
 from __future__ import annotations

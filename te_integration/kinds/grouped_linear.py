@@ -1,4 +1,4 @@
-"""The ``GroupedLinear`` adapter: every expert's weight under one plan.
+"""``GroupedLinear``: every expert's weight under one plan.
 
 TE's ``_GroupedLinear.forward(ctx, inp, m_splits, non_tensor_args, out,
 dgrad_out, *weights_and_biases)`` takes the experts' weights as one grouped
@@ -45,22 +45,21 @@ from workspace_manager import (
     Sharding,
 )
 
-from . import _compat as te
-from ._call import ACTIVE, ANY_WEIGHT, CallPart, is_distributed, recompute_pass
-from ._freshness import refresh_experts
-from ._functions import ModuleAdapter
-from ._plan_support import plan_refusal
-from ._expert_quantize import quantize_experts
-from ._quantize import expert_keys
-from ._rebuild import Rebuild
-from ._release import BackwardWork
-from ._saved_tensors import rowwise_parts
-from ._state import ModuleKind
+from ..runtime._call import ACTIVE, ANY_WEIGHT, CallPart, is_distributed, recompute_pass
+from ..runtime._expert_quantize import quantize_experts
+from ..runtime._freshness import refresh_experts
+from ..runtime._modules import ManagedModule
+from ..runtime._plan_support import plan_refusal
+from ..runtime._quantize import expert_keys
+from ..runtime._rebuild import Rebuild
+from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._release import BackwardWork
+from ..runtime._saved_tensors import rowwise_parts
+from ..te import _compat as te
 
-__all__ = ["GROUPED_LINEAR", "ExpertCall", "ExpertRebuild", "managed_prepare_for_saving",
-           "managed_restore_from_func_ctx"]
+__all__ = ["GroupedLinear"]
 
-_GROUPED = ModuleKind.GROUPED_LINEAR
+KIND = ModuleKind("grouped_linear")
 _A = te.GROUPED_ARGS
 _FP8, _DEBUG, _OFFLOAD, _SKIP = _A["fp8"], _A["debug"], _A["cpu_offloading"], _A["skip_fp8_weight_update"]
 _GRAD, _FIRST, _QUANTIZERS, _SINGLE = (_A["is_grad_enabled"], _A["is_first_microbatch"], _A["weight_quantizers"],
@@ -74,7 +73,7 @@ _FIRST_WEIGHT = 5
 def _begin(ctx, args: tuple):
     record = ACTIVE.record
     nta = args[2]
-    if (record is None or record.kind is not _GROUPED or not nta[_FP8] or nta[_DEBUG] or nta[_SKIP] is not None
+    if (record is None or record.kind is not KIND or not nta[_FP8] or nta[_DEBUG] or nta[_SKIP] is not None
             or nta[_OFFLOAD] or te.graph_flags._IS_GRAPH_CAPTURING):
         return None
     module = record.module
@@ -215,7 +214,7 @@ def managed_prepare_weights(weights, weight_quantizers, weight_workspaces, **kwa
     """TE's ``_prepare_weights_for_grouped_tensor_gemm``, with a grouped
     weight's forward usage and cache arguments from the plan."""
     record = ACTIVE.record
-    if (record is None or record.kind is not _GROUPED or not record.weights
+    if (record is None or record.kind is not KIND or not record.weights
             or not kwargs.get("single_grouped_weight") or not kwargs.get("with_quantized_compute")):
         return _TE_PREPARE_WEIGHTS(weights, weight_quantizers, weight_workspaces, **kwargs)
     levers = record.weights[1]
@@ -241,11 +240,22 @@ def managed_prepare_weights(weights, weight_quantizers, weight_workspaces, **kwa
 _TE_PREPARE_WEIGHTS = te.GroupedFunction._prepare_weights_for_grouped_tensor_gemm
 
 
-GROUPED_LINEAR = ModuleAdapter(
-    kind=_GROUPED, te_class=te.TEGroupedLinear, function=te.GroupedFunction, function_name="_GroupedLinear",
-    method="forward", file=te.grouped_module, weight_keys=("weight",), begin=_begin, edit_ctx=_edit_ctx,
+class GroupedLinear(ManagedModule, te.TEGroupedLinear):
+    """``te.GroupedLinear`` whose experts' workspaces follow a :class:`WorkspacePolicy`
+    (one plan for all experts, per call; either parameter layout)."""
+
+    _wm_kind = KIND
+
+
+ADAPTER = Adapter(
+    kind=KIND, te_class=te.TEGroupedLinear, drop_in=GroupedLinear, order=40,
     construction=((te.tep, "GroupedLinear"), (te.te_module_package, "GroupedLinear")),
-    module_globals=(("prepare_for_saving", te.prepare_for_saving, managed_prepare_for_saving),
-                    ("restore_from_func_ctx", te.restore_from_func_ctx, managed_restore_from_func_ctx)),
-    overrides=(("_prepare_weights_for_grouped_tensor_gemm", managed_prepare_weights),),
+    explain_note="one plan for all experts", part=ExpertCall,
+    function=FunctionSeam(
+        function=te.GroupedFunction, name="_GroupedLinear", method="forward", file=te.grouped_module, begin=_begin,
+        edit_ctx=_edit_ctx,
+        module_globals=(("prepare_for_saving", te.prepare_for_saving, managed_prepare_for_saving),
+                        ("restore_from_func_ctx", te.restore_from_func_ctx, managed_restore_from_func_ctx)),
+        overrides=(("_prepare_weights_for_grouped_tensor_gemm", managed_prepare_weights),)),
 )
+register(ADAPTER)

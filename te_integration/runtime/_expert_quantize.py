@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _compat as te
+from ..te import _compat as te
 
 __all__ = ["quantize_experts"]
 

@@ -11,7 +11,7 @@ the binding answers each one here, for every module kind and every plan
   and never does, and FSDP2's all-gather refills the reused gathered
   tensor's data while keeping its transpose. The seams stamp each quantized
   weight a drop-in reads with the step generation
-  (:data:`~te_integration._step_hook.STEPS`) and the tensor's version
+  (:data:`~te_integration.runtime._step_hook.STEPS`) and the tensor's version
   counter; the first call after either moved marks the transpose invalid
   (:func:`refresh_parameter`), and TE derives it again from the current
   data where a GEMM needs it: every dgrad path calls
@@ -44,7 +44,7 @@ import torch
 
 from workspace_manager import buffers_of
 
-from . import _compat as te
+from ..te import _compat as te
 from ._step_hook import STEPS, add_step_task
 
 __all__ = ["HeldCopy", "held_copies", "refresh_parameter", "refresh_experts", "release_module", "is_per_tensor",

@@ -1,4 +1,4 @@
-"""The ``LayerNormMLP`` adapter: two weights, one switch, and an own recompute.
+"""``LayerNormMLP``: two weights, one switch, and an own recompute.
 
 TE's ``_LayerNormMLP._forward(ctx, inp, ln_weight, ln_bias, fc1_weight,
 fc1_weight_workspace, fc1_bias, fc2_weight, fc2_weight_workspace, fc2_bias,
@@ -24,15 +24,15 @@ import threading
 
 from workspace_manager import RecomputePass, RecomputeScope
 
-from . import _compat as te
-from ._call import ACTIVE, CallPart, new_record, recompute_pass
-from ._functions import ModuleAdapter
-from ._release import BackwardWork, backward_work
-from ._state import ModuleKind
+from ..runtime._call import ACTIVE, CallPart, new_record, recompute_pass
+from ..runtime._modules import ManagedModule
+from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._release import BackwardWork, backward_work
+from ..te import _compat as te
 
-__all__ = ["LAYERNORM_MLP"]
+__all__ = ["LayerNormMLP"]
 
-_LNMLP = ModuleKind.LAYERNORM_MLP
+KIND = ModuleKind("layernorm_mlp")
 _ARGS = te.LNMLP_ARGS
 _GATE = tuple(_ARGS.get(name, -1) for name in ("fp8", "debug", "fsdp_group", "skip_fp8_weight_update",
                                                "cpu_offloading"))
@@ -51,7 +51,7 @@ def _begin(ctx, args: tuple):
         module, record = (work.module if work is not None else None), None
     else:
         record = ACTIVE.record
-        module = record.module if record is not None and record.kind is _LNMLP else None
+        module = record.module if record is not None and record.kind is KIND else None
     fp8, debug, group, skip, offload = _GATE
     # TE's LayerNormMLP has no distributed-weight path; such weights stay TE's.
     if (module is None or not nta[fp8] or nta[debug] or nta[group] is not None or nta[skip] is not None
@@ -176,9 +176,17 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
             setattr(ctx, name, state.backward_quantizer(levers, getattr(ctx, name, None)))
 
 
-LAYERNORM_MLP = ModuleAdapter(
-    kind=_LNMLP, te_class=te.TELayerNormMLP, function=te.LNMLPFunction, function_name="_LayerNormMLP",
-    method="_forward", file=te.lnmlp_module,
-    weight_keys=("fc1_weight", "fc2_weight"), begin=_begin, edit_ctx=_edit_ctx,
-    construction=((te.transformer_module, "LayerNormMLP"),),
+class LayerNormMLP(ManagedModule, te.TELayerNormMLP):
+    """``te.LayerNormMLP`` whose FC1 and FC2 workspaces follow a :class:`WorkspacePolicy`
+    (planned separately)."""
+
+    _wm_kind = KIND
+
+
+ADAPTER = Adapter(
+    kind=KIND, te_class=te.TELayerNormMLP, drop_in=LayerNormMLP, order=30, weight_keys=("fc1_weight", "fc2_weight"),
+    construction=((te.transformer_module, "LayerNormMLP"),), part=SplitCall,
+    function=FunctionSeam(function=te.LNMLPFunction, name="_LayerNormMLP", method="_forward", file=te.lnmlp_module,
+                          begin=_begin, edit_ctx=_edit_ctx),
 )
+register(ADAPTER)

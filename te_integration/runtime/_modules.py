@@ -1,18 +1,19 @@
-"""Drop-in ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``, and model conversion.
+"""The TE modules' drop-in mixin, and model conversion.
 
-The three classes are TE's own, with one mixin in front. The mixin holds no
-workspace logic and does not wrap ``forward``: TE's own ``forward`` runs,
-and the mixin only opens the call's record between TE's ``prepare_forward``
-and ``end_forward`` (``_call``), where the seams plan each weight through
-the policy (``_functions``, ``_adapters``). The classes add no parameters,
-buffers, submodules or ``fp8_meta`` entries, so ``state_dict`` and
-``extra_state`` are exactly TE's and checkpoints move both ways between
-stock and drop-in modules.
+Each TE module kind's drop-in (its file in ``kinds/``) is TE's own class
+with :class:`ManagedModule` in front. The mixin holds no workspace logic and
+does not wrap ``forward``: TE's own ``forward`` runs, and the mixin only
+opens the call's record between TE's ``prepare_forward`` and
+``end_forward`` (``_call``), where the seams plan each weight through the
+policy (``_functions`` and the kind's ``begin``). The drop-ins add no
+parameters, buffers, submodules or ``fp8_meta`` entries, so ``state_dict``
+and ``extra_state`` are exactly TE's and checkpoints move both ways between
+stock and drop-in modules. :func:`convert_model` takes its table of TE
+classes to drop-ins from the registry (``_registry``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -21,20 +22,14 @@ import torch
 from workspace_manager import PolicyMismatchError, WorkspacePolicy
 
 from . import _argument_checks as checks
-from . import _compat as te
 from . import _install
-from ._adapters import ADAPTERS
 from ._call import ACTIVE, CallRecord, refuse_reentry
-from ._managed_common import ManagedCommon
-from ._kinds import KindEntry, drop_ins, gemm_weight_names, register
-from ._modules_ops import ManagedOp
-from ._state import ModuleKind, ModuleWorkspaceState, state_of
+from ._managed_common import ManagedCommon, ManagedOp
+from ._registry import ModuleKind, drop_ins
+from ._state import ModuleWorkspaceState, state_of
 
 __all__ = [
-    "Linear",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "GroupedLinear",
+    "ManagedModule",
     "convert_model",
     "set_workspace_policy",
     "last_plans",
@@ -57,12 +52,12 @@ class _FSDP2Flag:
         return state_of(module).probe(module).is_fsdp2
 
 
-class _ManagedModule(ManagedCommon):
+class ManagedModule(ManagedCommon):
     """Mixin placed before a TE module class. Its one piece of state is a
     :class:`ModuleWorkspaceState` made at first use, so an existing TE
     instance can be converted by swapping its class.
 
-    ``prepare_forward`` pushes the call's :class:`~te_integration._call.CallRecord`
+    ``prepare_forward`` pushes the call's :class:`~te_integration.runtime._call.CallRecord`
     once TE's returned, and puts TE's ``is_fsdp2`` in the instance dict (see
     :class:`_FSDP2Flag`: TE reads the attribute, so it must be found there
     without running Python); ``end_forward``, which TE calls in a ``finally``,
@@ -120,57 +115,9 @@ class _ManagedModule(ManagedCommon):
         super().end_forward()
 
 
-
-class Linear(_ManagedModule, te.TELinear):
-    """``te.Linear`` whose weight workspace follows a :class:`WorkspacePolicy`.
-    Same constructor, defaults, state_dict and numerics as ``te.Linear``."""
-
-    _wm_kind = ModuleKind.LINEAR
-
-
-class LayerNormLinear(_ManagedModule, te.TELayerNormLinear):
-    """``te.LayerNormLinear`` whose weight workspace follows a :class:`WorkspacePolicy`."""
-
-    _wm_kind = ModuleKind.LAYERNORM_LINEAR
-
-
-class LayerNormMLP(_ManagedModule, te.TELayerNormMLP):
-    """``te.LayerNormMLP`` whose FC1 and FC2 workspaces follow a :class:`WorkspacePolicy`
-    (planned separately)."""
-
-    _wm_kind = ModuleKind.LAYERNORM_MLP
-
-
-class GroupedLinear(_ManagedModule, te.TEGroupedLinear):
-    """``te.GroupedLinear`` whose experts' workspaces follow a :class:`WorkspacePolicy`
-    (one plan for all experts, per call; either parameter layout)."""
-
-    _wm_kind = ModuleKind.GROUPED_LINEAR
-
-
-def _register_module_kinds() -> None:
-    """One registry entry per TE module kind (``_kinds``), from its adapter."""
-    for drop_in in (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear):
-        adapter = next((a for a in ADAPTERS if a.kind is drop_in._wm_kind), None)
-        if adapter is None:
-            raise ImportError(f"te_integration: the drop-in {drop_in.__name__} has no adapter for {drop_in._wm_kind}")
-        register(KindEntry(kind=adapter.kind, te_class=adapter.te_class, drop_in=drop_in,
-                           seams=functools.partial(_install.module_seams, adapter), construction=adapter.construction,
-                           gemm_weights=_gemm_weights_of(adapter),
-                           explain_note="one plan for all experts" if drop_in is GroupedLinear else ""))
-
-
-def _gemm_weights_of(adapter) -> Callable[[Any], tuple[str, ...]]:
-    # LayerNormMLP keeps no ``weight_names``: its two GEMM weights are its plan keys.
-    if len(adapter.weight_keys) > 1:
-        return lambda module, keys=adapter.weight_keys: keys
-    return gemm_weight_names
-
-
-_register_module_kinds()
 _CONVERTED: dict[type, type] = {}
 #: The mixins of every drop-in: the modules' and te.ops's.
-_MANAGED = (_ManagedModule, ManagedOp)
+_MANAGED = (ManagedModule, ManagedOp)
 
 
 def _managed_class_for(cls: type) -> type | None:
@@ -178,13 +125,13 @@ def _managed_class_for(cls: type) -> type | None:
     ``Managed<cls>`` for third-party subclasses of them, None otherwise."""
     if issubclass(cls, _MANAGED):
         return None
-    table = drop_ins()  # every registered kind's (te.ops's register in _modules_ops)
+    table = drop_ins()  # every registered kind's
     if cls in table:
         return table[cls]
     for te_cls, ours in table.items():
         if issubclass(cls, te_cls):
             if cls not in _CONVERTED:
-                mixin = ManagedOp if issubclass(ours, ManagedOp) else _ManagedModule
+                mixin = ManagedOp if issubclass(ours, ManagedOp) else ManagedModule
                 _CONVERTED[cls] = type(f"Managed{cls.__name__}", (mixin, cls),
                                        {"_wm_kind": ours._wm_kind, "__module__": __name__})
             return _CONVERTED[cls]
@@ -197,8 +144,8 @@ def convert_model(
     module_filter: Callable[[torch.nn.Module, str], bool] | None = None,
     policy: WorkspacePolicy | None = None,
 ) -> torch.nn.Module:
-    """Turn the TE ``Linear``/``LayerNormLinear``/``LayerNormMLP``/``GroupedLinear``
-    modules of ``model`` into drop-ins, in place, and return ``model``.
+    """Turn the TE modules and te.ops ops of ``model`` whose class (or a base
+    of it) a kind registered into drop-ins, in place, and return ``model``.
 
     ``module_filter(module, fqn)`` chooses which ones (default: all);
     ``policy`` pins a policy on each chosen module (default: selected per

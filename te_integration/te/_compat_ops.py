@@ -3,7 +3,7 @@
 Part of the one thin layer over TE (with ``_compat``, whose checks and
 errors it uses): everything the binding takes from ``transformer_engine.pytorch.ops``
 is imported here and checked at import, each missing piece or changed code
-line refused with :class:`~te_integration._compat.UnsupportedTEError`
+line refused with :class:`~te_integration.te._compat.UnsupportedTEError`
 naming it and its TE file.
 
 What the ops seams rely on (docs/te-integration.md, "te.ops"):

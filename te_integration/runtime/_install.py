@@ -1,10 +1,12 @@
 """Putting the seams into TE's module files, once per process, and taking them out.
 
-The seamed names are what each registered kind lists (``_kinds``): for a TE
-module kind, ``quantize_weight`` and the autograd Function in its TE module
-file (``_quantize`` and ``_functions``), and the further globals its adapter
-names (GroupedLinear's saving pair, ``_adapter_grouped``); for te.ops, the
-fuser Function and ``BasicLinear``'s two functional methods (``_adapter_ops``).
+The seamed names are derived from each registered kind's adapter
+(:func:`seams_of`): for a TE module kind, ``quantize_weight`` and the
+autograd Function in its TE module file (``_quantize`` and ``_functions``),
+and the further globals its :class:`~te_integration.runtime._registry.FunctionSeam`
+names; for a te.ops kind, the fuser Function every op kind shares
+(``_ops_fuser``) and the further names its
+:class:`~te_integration.runtime._registry.OpHooks` lists.
 Stock TE modules and the calls TE handles itself run TE's code through them
 unchanged. Install refuses, changing nothing, while
 another library's patch holds one of those names (``_foreign_patches``).
@@ -14,18 +16,19 @@ from __future__ import annotations
 
 import threading
 
-from . import _compat as te
-from ._adapters import ADAPTERS
+from ..te import _compat as te
 from ._call import ACTIVE
 from ._foreign_patches import ForeignPatchError, SeamedName, foreign_patches, in_place, refuse_foreign_patches
 from ._functions import seam_function
-from ._kinds import entries
+from ._ops_fuser import fuser_seams
 from ._quantize import managed_quantize_weight
+from ._registry import Adapter, adapters
 
-__all__ = ["install", "uninstall", "module_seams", "SEAM_FUNCTIONS"]
+__all__ = ["install", "uninstall", "seams_of", "seam_function_of", "SEAM_FUNCTIONS"]
 
-#: Each module kind's Function seam, by kind.
-SEAM_FUNCTIONS = {adapter.kind: seam_function(adapter) for adapter in ADAPTERS}
+#: Each TE module kind's Function seam, by kind: made once, at the kind's
+#: first :func:`seams_of` (install compares what a name holds with it).
+SEAM_FUNCTIONS: dict = {}
 
 _LOCK = threading.Lock()
 _SEAMED: tuple[SeamedName, ...] = ()
@@ -38,25 +41,36 @@ _REPLACED: dict[tuple[int, str], object] = {}
 INSTALLED = False
 
 
-def module_seams(adapter) -> tuple[SeamedName, ...]:
-    """The names install replaces for a TE module kind: ``quantize_weight``
-    and the autograd Function in its module file, and the further globals
-    its adapter names."""
-    file, name = adapter.file, adapter.function_name
+def seam_function_of(adapter: Adapter) -> type:
+    """The Function seam of a TE module kind (made at the first ask)."""
+    made = SEAM_FUNCTIONS.get(adapter.kind)
+    if made is None:
+        made = SEAM_FUNCTIONS[adapter.kind] = seam_function(adapter.function)
+    return made
+
+
+def seams_of(adapter: Adapter) -> tuple[SeamedName, ...]:
+    """The names install replaces for one kind, with TE's definition of each.
+    A TE module kind: ``quantize_weight`` and the autograd Function in its
+    module file, and the further globals it names. A te.ops kind: the fuser
+    Function (every op kind's: install replaces it once) and its own."""
+    spec = adapter.function
+    if spec is None:
+        return fuser_seams() + tuple(adapter.op.seams())
+    file, name = spec.file, spec.name
     qw = f"{te.base_module.__name__}.quantize_weight"
     return (SeamedName(file, "quantize_weight", qw, managed_quantize_weight),
-            SeamedName(file, name, f"{file.__name__}.{name}", SEAM_FUNCTIONS[adapter.kind], adapter.function),
+            SeamedName(file, name, f"{file.__name__}.{name}", seam_function_of(adapter), spec.function),
             *(SeamedName(file, global_name, f"{theirs.__module__}.{theirs.__qualname__}", ours)
-              for global_name, theirs, ours in adapter.module_globals))
+              for global_name, theirs, ours in spec.module_globals))
 
 
 def _seamed_names() -> tuple[SeamedName, ...]:
-    """The names install replaces, every registered kind's, each once."""
-    from . import _modules  # noqa: F401  (the kinds register with their drop-in classes there)
-
+    """The names install replaces, every registered kind's, each once (the
+    package's import registered every kind: ``kinds/__init__``)."""
     names, seen = [], set()
-    for entry in entries():
-        for seamed in entry.seams():
+    for adapter in adapters():
+        for seamed in seams_of(adapter):
             if (id(seamed.module), seamed.name) not in seen:
                 seen.add((id(seamed.module), seamed.name))
                 names.append(seamed)

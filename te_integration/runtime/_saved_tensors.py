@@ -11,7 +11,7 @@ forward returned (:func:`save_columnwise_only`).
 
 from __future__ import annotations
 
-from . import _compat as te
+from ..te import _compat as te
 
 __all__ = ["PER_TENSOR_LAYOUTS", "rowwise_parts", "save_columnwise_only"]
 

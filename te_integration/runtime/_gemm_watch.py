@@ -19,8 +19,8 @@ import torch
 
 from workspace_manager import fsdp2_gathered_parameters
 
-from . import _compat as te
-from . import _compat_ops as te_ops
+from ..te import _compat as te
+from ..te import _compat_ops as te_ops
 from ._argument_checks import expect_module
 from ._stale import StaleWorkspaceError, transpose_matches
 

@@ -23,7 +23,7 @@ from workspace_manager import (
     quantizer_capabilities,
 )
 
-from . import _compat as te
+from ..te import _compat as te
 from ._state import state_of
 from ._step_hook import add_step_task, track
 

@@ -13,13 +13,13 @@ weights go, which each kind's subclass says in
   ``te.ops.BasicLinear``): TE's own backward, which quantizes the weight
   again with the quantizer it is handed; :class:`RebuildQuantizer` is that
   quantizer, so TE runs it at its own rebuild and the phase has nothing to do;
-* ``GroupedLinear`` (``_adapter_grouped.ExpertRebuild``): the list of saved
+* ``GroupedLinear`` (``kinds/grouped_linear.ExpertRebuild``): the list of saved
   tensors TE's backward restores (its backward quantizes nothing again);
-* ``te.ops.GroupedLinear`` (``_adapter_ops_grouped.OpRebuild``): the op
+* ``te.ops.GroupedLinear`` (``kinds/ops_grouped_linear.OpRebuild``): the op
   context's saved tensors, before TE's ``fuser_backward`` reads them.
 
 The last two are the before phase of the call's
-:class:`~te_integration._release.BackwardWork`.
+:class:`~te_integration.runtime._release.BackwardWork`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from workspace_manager import Usage
 
-from . import _compat as te
+from ..te import _compat as te
 from ._expert_quantize import quantize_experts
 
 __all__ = ["Rebuild", "RebuildQuantizer", "quantize_with_usage"]

@@ -32,9 +32,9 @@ import torch
 from workspace_manager import KeepForBackwardWorkspacePolicy, PolicyMismatchError
 
 from . import _argument_checks as checks
-from . import _compat as te
-from ._modules import _ManagedModule, set_workspace_policy, workspace_state
-from ._kinds import entry_for
+from ..te import _compat as te
+from ._modules import ManagedModule, set_workspace_policy, workspace_state
+from ._registry import adapter_for
 
 __all__ = ["apply_workspace_budget", "WorkspaceBudget", "BudgetEntry", "BudgetChoice"]
 
@@ -172,7 +172,7 @@ def _check_budget(budget_bytes: Any) -> None:
 def _survey(model: torch.nn.Module) -> list[_Candidate]:
     """The drop-ins in backward order. Raises, changing nothing, when there
     is nothing the budget could manage."""
-    drop_ins = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, _ManagedModule)]
+    drop_ins = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, ManagedModule)]
     if not drop_ins:
         raise ValueError(
             f"{_FUNC}: model ({type(model).__name__}) holds no te_integration drop-in module. Build it under "
@@ -223,5 +223,5 @@ def _copy_bytes(module: torch.nn.Module) -> int:
 
 
 def _weight_names(module: torch.nn.Module) -> tuple[str, ...]:
-    """The parameters TE quantizes as GEMM weights, as the module's kind says (``_kinds``)."""
-    return entry_for(module._wm_kind).gemm_weights(module)
+    """The parameters TE quantizes as GEMM weights, as the module's kind says (its adapter)."""
+    return adapter_for(module._wm_kind).gemm_weights(module)

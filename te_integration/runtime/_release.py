@@ -7,13 +7,13 @@ FSDP2's ``FSDPParamGroup`` names its phases (``pre_backward``,
 
 * ``before_te_backward(ctx, saved)``, where a kind's backward starts,
   before TE's backward reads the saved weights: the kind's part, a
-  :class:`~te_integration._rebuild.Rebuild` of the weights saved in high
+  :class:`~te_integration.runtime._rebuild.Rebuild` of the weights saved in high
   precision (D9), or te.ops GroupedLinear's derive of its quantized
   parameters' columnwise data (D12). Run by the seam at the start of each
   kind's TE backward: GroupedLinear's ``restore_from_func_ctx`` (TE's first
   act in its backward), te.ops GroupedLinear's ``fuser_backward``. The dense
   kinds' rebuild needs no phase of ours: TE's backward runs it, with the
-  :class:`~te_integration._rebuild.RebuildQuantizer` it was handed.
+  :class:`~te_integration.runtime._rebuild.RebuildQuantizer` it was handed.
 * :meth:`BackwardWork.after_te_backward`: the plan's release, which
   :func:`run_backward` runs after TE's backward, also when TE's backward
   raises: a failed step must not leave cached or derived data behind.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _attribution
-from . import _compat as te
+from ..te import _compat as te
 from ._levers import Levers
 from ._step_hook import release_after_step
 

@@ -2,7 +2,7 @@
 
 Installed as ``quantize_weight`` in the globals of TE's module files, where
 TE's forward quantizes each weight. For a weight of the drop-in call on top
-of this thread's stack (:data:`~te_integration._call.ACTIVE`) it quantizes
+of this thread's stack (:data:`~te_integration.runtime._call.ACTIVE`) it quantizes
 with the plan's forward usage and through the plan's cache action; the
 binding owns the cache, so TE's ``workspace``/``cache`` arguments are
 ignored and no new workspace is returned (TE never stores one). Anything
@@ -16,7 +16,7 @@ from typing import Any
 from workspace_manager import CacheAction
 
 from . import _attribution
-from . import _compat as te
+from ..te import _compat as te
 from ._call import ACTIVE, ANY_WEIGHT, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts

@@ -3,7 +3,7 @@
 ``te.TransformerLayer`` and ``te.MultiheadAttention`` look up the names of
 the modules they build (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``)
 in their own module files at construction. Inside the block those names are
-the drop-ins (each kind's registry entry lists where its name is bound), process
+the drop-ins (each kind's adapter lists where its name is bound), process
 wide, so one thread at a time may hold the block. TE builds no
 ``GroupedLinear`` itself; its name in ``transformer_engine.pytorch`` (and
 ``.module``) is rebound, so ``te.GroupedLinear(...)`` inside the block is a
@@ -17,8 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import _modules  # noqa: F401  (registers every kind)
-from ._kinds import entries
+from ._registry import adapters
 
 __all__ = ["managed_construction"]
 
@@ -37,7 +36,7 @@ _CONSTRUCTION_LOCK = threading.Lock()
 
 
 def _construction_targets() -> list[tuple[Any, str, type]]:
-    return [(module, name, entry.drop_in) for entry in entries() for module, name in entry.construction]
+    return [(module, name, adapter.drop_in) for adapter in adapters() for module, name in adapter.construction]
 
 
 def _enter_construction() -> None:

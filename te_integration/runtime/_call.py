@@ -9,7 +9,7 @@ popped after an exception too. Everything the seams learn or decide during
 the call lives in the record and nowhere else: the sharding read for it,
 each weight's levers, the cache entries it fills, the rowwise tensors
 backward will not read. What backward must do afterwards goes on TE's
-autograd ctx as a :class:`~te_integration._release.BackwardWork`, since
+autograd ctx as a :class:`~te_integration.runtime._release.BackwardWork`, since
 autograd may run backward on another thread, after the record is gone.
 
 A TE module called before or after that window, inside a user subclass's
@@ -25,7 +25,7 @@ from typing import Any
 
 from workspace_manager import RecomputePass, Sharding
 
-from . import _compat as te
+from ..te import _compat as te
 
 __all__ = ["ACTIVE", "ANY_WEIGHT", "CallPart", "CallRecord", "GATHERED_WEIGHT", "new_record", "recompute_pass",
            "is_distributed", "refuse_reentry"]
@@ -68,7 +68,7 @@ class CallRecord:
     __slots__ = ("module", "state", "kind", "sharding", "previous", "weights", "pending", "rowwise_parts",
                  "pushed_by_seam", "run", "part")
 
-    #: The drop-in module, its :class:`~te_integration._state.ModuleWorkspaceState` and :class:`ModuleKind`.
+    #: The drop-in module, its :class:`~te_integration.runtime._state.ModuleWorkspaceState` and :class:`ModuleKind`.
     module: Any
     state: Any
     kind: Any
