@@ -48,7 +48,7 @@ from ..te import _compat as te
 from ._step_hook import STEPS, add_step_task
 
 __all__ = ["HeldCopy", "held_copies", "refresh_parameter", "refresh_experts", "release_module", "is_per_tensor",
-           "copy_nbytes", "placement"]
+           "version_of", "copy_nbytes", "placement"]
 
 #: The attribute a quantized weight's stamp lives in: ``(generation, version)``
 #: when a drop-in last made sure its derived data is current.
@@ -71,14 +71,25 @@ def refresh_parameter(weight: Any) -> None:
             reset(weight)  # TE's own invalidation (it keeps a columnwise-only tensor's data)
         else:
             weight._transpose_invalid = True
-    setattr(weight, STAMP, (STEPS.value, getattr(weight, "_version", 0)))
+    setattr(weight, STAMP, (STEPS.value, version_of(weight)))
+
+
+def version_of(tensor: Any) -> int:
+    """``tensor``'s version counter, or 0 for a tensor that keeps none: an
+    inference tensor (made under ``torch.inference_mode``), whose counter
+    torch refuses to read. Such a tensor can change only inside inference
+    mode, where nothing trains; the step generation still moves."""
+    try:
+        return tensor._version
+    except (AttributeError, RuntimeError):
+        return 0
 
 
 def refresh_experts(experts: tuple) -> None:
     """:func:`refresh_parameter` for each expert whose stamp is old."""
     current = STEPS.value
     for weight in experts:
-        if getattr(weight, STAMP, None) != (current, getattr(weight, "_version", 0)):
+        if getattr(weight, STAMP, None) != (current, version_of(weight)):
             refresh_parameter(weight)
 
 

@@ -20,6 +20,7 @@ from ..te import _compat as te
 from ._call import ACTIVE, ANY_WEIGHT, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
+from ._freshness import version_of
 from ._step_hook import STEPS
 
 __all__ = ["managed_quantize_weight", "expert_key", "expert_key_at", "expert_index", "expert_keys"]
@@ -167,7 +168,7 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
     pending = record.pending
     # This call's own fill first, then the module's cache.
     cached = pending[key] if pending is not None and key in pending else record.module._fp8_workspaces.get(key)
-    stamp = (STEPS.value, tensor._version if levers.cache_tracks_version else 0)
+    stamp = (STEPS.value, version_of(tensor) if levers.cache_tracks_version else 0)
     if cached is not None:
         # An entry this state filled with the usages wanted serves as it is
         # (see ModuleWorkspaceState.filled); any other is checked in full.

@@ -37,7 +37,7 @@ from workspace_manager import fsdp2_gathered_parameters
 
 from ._argument_checks import expect_module
 from ._attribution import te_modules
-from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, release_module
+from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, release_module, version_of
 from ._step_hook import STEPS, ensure_hook
 
 __all__ = ["StaleKind", "StaleCopy", "StaleWorkspaceError", "stale_workspaces", "release_workspaces",
@@ -147,7 +147,7 @@ def _cache_is_stale(copy: HeldCopy) -> str | None:
     state = getattr(module, "_wm_state", None)
     filled = state.filled.get(key) if state is not None else None
     if filled is not None and filled[0] == id(copy.tensor):
-        version = 0 if state.sharding(module).is_fsdp2 else weight._version
+        version = 0 if state.sharding(module).is_fsdp2 else version_of(weight)
         if filled[2] != (STEPS.value, version):
             return "made before the weight's latest optimizer step or in-place write"
     if disagrees_with(copy.tensor, weight):  # also where a write escaped the stamps

@@ -150,8 +150,13 @@ class ModuleWorkspaceState:
         hash (the enums in the key hash by identity, in C)."""
         wtype = type(weight)
         is_qp = _IS_QUANTIZED[wtype] if wtype in _IS_QUANTIZED else _learn_quantized(wtype)
-        if is_qp and getattr(weight, STAMP, None) != (STEPS.value, getattr(weight, "_version", 0)):
-            refresh_parameter(weight)  # written since its derived data was made (docs/decisions.md, D12)
+        if is_qp:
+            try:
+                version = weight._version
+            except (AttributeError, RuntimeError):  # none kept (an inference tensor): _freshness.version_of, inline
+                version = 0
+            if getattr(weight, STAMP, None) != (STEPS.value, version):
+                refresh_parameter(weight)  # written since its derived data was made (docs/decisions.md, D12)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
             self._forget()

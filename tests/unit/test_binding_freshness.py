@@ -78,6 +78,29 @@ def test_after_an_optimizer_step_dgrad_reads_the_current_weights_transpose(ti):
     assert torch.equal(_input_grad(stock), old)  # stock TE's stale read, on the same stand-in
 
 
+def test_a_weight_that_keeps_no_version_counter_is_read_as_version_0(ti):
+    """Inference tensors (made under ``torch.inference_mode``, as TE's own
+    inference-loop test makes its weights) refuse to report a version:
+    the stamps read 0 there instead of failing the call."""
+    with torch.inference_mode():
+        made = torch.ones(2)
+    assert ti.freshness.version_of(made) == 0 and ti.freshness.version_of(torch.ones(2).add_(1)) == 1
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    managed = _with_weight(ti.modules.convert_model(TELinear(8, 8)), _quantized_weight(w))
+    stock = _with_weight(TELinear(8, 8), _quantized_weight(w))
+    for module in (managed, stock):
+        module.weight.__class__ = _NoVersion
+    assert torch.equal(_input_grad(managed), _input_grad(stock))
+
+
+class _NoVersion(type(Float8CurrentScalingQuantizer().quantize(torch.zeros(1, 1)))):
+    """The stand-in's quantized weight, reading its version as an inference tensor does."""
+
+    @property
+    def _version(self) -> int:
+        raise RuntimeError("Inference tensors do not track version counter.")
+
+
 class QParam(torch.nn.Parameter, QuantizedTensorStorage):
     """A quantized parameter registered as a parameter (as TE's are), with
     the per-tensor FP8 layout; for the paths that walk a module's parameters."""
