@@ -165,7 +165,7 @@ def step_task_seconds(recipe_name: str, calls: int = 200) -> tuple[float, int]:
     synchronized), and how many weights it remade: what D12 adds to a step."""
     import torch
 
-    from te_integration import _freshness
+    from te_integration.runtime import _freshness
     from testbed.recipes import make_recipe
 
     recipe, target = make_recipe(recipe_name), teacher()

@@ -209,7 +209,7 @@ class QuantizationCounter:
                  quantized: type | None = None) -> None:
         # The three are TE's unless given (the CPU test gives stand-ins).
         if compat is None:
-            from te_integration import _compat as compat
+            from te_integration.te import _compat as compat
         if quantizer_base is None or quantized is None:
             from transformer_engine.pytorch.quantized_tensor import QuantizedTensor, Quantizer
 

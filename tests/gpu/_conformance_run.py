@@ -108,7 +108,7 @@ def build(case: Case, managed: bool, recipe, policy=None):
 
 def recorder(module, kind: str) -> CallRecorder:
     import te_integration as ti
-    from te_integration import _compat
+    from te_integration.te import _compat
 
     return CallRecorder(
         files=[_compat.linear_module, _compat.lnl_module, _compat.lnmlp_module],

@@ -170,7 +170,7 @@ def _inject(monkeypatch, weights: tuple, phase: str) -> None:
     (TE's class: the binding's seam and stock calls both run its code)."""
     from transformer_engine.pytorch.distributed import in_fp8_activation_recompute_phase
 
-    from te_integration import _compat
+    from te_integration.te import _compat
 
     te_function = _compat.LinearFunction
     te_forward, te_backward = te_function.forward, te_function.backward
