@@ -65,14 +65,27 @@ def layout_bullets(readme: str) -> dict[str, str]:
     return bullets
 
 
-def unnamed_modules(root: Path, readme: str, packages: tuple[str, ...]) -> list[str]:
-    """The ``.py`` files under ``packages`` that the bullet of their folder does not name (in backticks)."""
+#: Folders whose files register themselves (a module kind is one file there, and adding one
+#: touches nothing else): their bullet states the folder's rule instead of naming every file.
+SELF_LISTING = {"te_integration/kinds/": "one file per module kind"}
+
+
+def unnamed_modules(root: Path, readme: str, packages: tuple[str, ...],
+                    self_listing: dict[str, str] | None = None) -> list[str]:
+    """The ``.py`` files under ``packages`` that the bullet of their folder
+    does not name (in backticks); for a folder of ``self_listing``, a bullet
+    without its rule names the folder itself as missing."""
     bullets = layout_bullets(readme)
+    self_listing = SELF_LISTING if self_listing is None else self_listing
     missing = []
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             folder = path.parent.relative_to(root).as_posix() + "/"
-            if f"`{path.name}`" not in bullets.get(folder, ""):
+            bullet = bullets.get(folder, "")
+            if folder in self_listing:
+                if self_listing[folder] not in " ".join(bullet.split()) and folder not in missing:
+                    missing.append(folder)
+            elif f"`{path.name}`" not in bullet:
                 missing.append(path.relative_to(root).as_posix())
     return missing
 
@@ -88,4 +101,9 @@ def test_a_module_the_layout_does_not_name_is_found(tmp_path):
         (tmp_path / rel).write_text("")
     readme = ("# x\n\n## Layout\n\n- `pkg/`: the package (`__init__.py`), with `named.py` and\n  `other.py`.\n"
               "- `pkg/sub/`: nothing named here.\n\n## After\n\n`forgotten.py`\n")
-    assert unnamed_modules(tmp_path, readme, ("pkg",)) == ["pkg/forgotten.py", "pkg/sub/other.py"]
+    assert unnamed_modules(tmp_path, readme, ("pkg",), {}) == ["pkg/forgotten.py", "pkg/sub/other.py"]
+    # A self-listing folder needs its rule in its bullet, not its files' names.
+    assert unnamed_modules(tmp_path, readme, ("pkg",), {"pkg/sub/": "one file per kind"}) == [
+        "pkg/forgotten.py", "pkg/sub/"]
+    ruled = readme.replace("nothing named here", "one file per\n  kind, each registering itself")
+    assert unnamed_modules(tmp_path, ruled, ("pkg",), {"pkg/sub/": "one file per kind"}) == ["pkg/forgotten.py"]
