@@ -314,6 +314,13 @@ def write_result(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path
     return json_path, md_path
 
 
+def print_result(name: str, out_dir: Path, tag: str = "") -> None:
+    """Print the Markdown summary a run wrote, on rank 0 only (every rank runs the benchmark)."""
+    md = Path(out_dir) / f"{result_stem(name, tag)}.md"
+    if os.environ.get("RANK", "0") == "0" and md.is_file():
+        print(md.read_text(), flush=True)
+
+
 def load_result(path: Path) -> dict:
     data = json.loads(Path(path).read_text())
     if data.get("schema") != SCHEMA:

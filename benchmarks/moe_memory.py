@@ -43,7 +43,6 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from . import _harness as h
 from ._experts import SHAPES, ExpertShape, ExpertSpec, estimate_seconds, measure, paired
@@ -171,9 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return dry_run(args)
     rc = gpu_main(NAME, args, argv, plan, summarize, extra_config={"shapes": {s.name: s.describe()
                                                                               for s in shapes_of(args)}})
-    md = Path(args.out) / f"{h.result_stem(NAME, args.tag)}.md"
-    if os.environ.get("RANK", "0") == "0" and md.is_file():
-        print(md.read_text(), flush=True)
+    h.print_result(NAME, args.out, args.tag)
     return rc
 
 

@@ -41,7 +41,6 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from . import _harness as h
 from . import _moe_step as run
@@ -247,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(args)
     rc = gpu_main(NAME, args, argv, plan, summarize)
-    md = Path(args.out) / f"{h.result_stem(NAME, args.tag)}.md"
-    if os.environ.get("RANK", "0") == "0" and md.is_file():
-        print(md.read_text(), flush=True)
+    h.print_result(NAME, args.out, args.tag)
     return rc
 
 
