@@ -78,8 +78,9 @@ def _profile(model, opt, recipe, data, managed: bool) -> dict:
     step = lambda: run_step(model, opt, recipe, data)  # noqa: E731
     step()  # the same state for both profilers: one step after the timed rounds
     kernels = kernel_profile(step)
-    calls = profile_step(step)["calls"]
-    return {**kernels, "python_calls": sum(calls.values())}
+    host = profile_step(step)
+    return {**kernels, "python_calls": sum(host["calls"].values()), "calls_by": host["calls"],
+            "own_by": host["own_by"]}
 
 
 def kernel_profile(fn) -> dict:

@@ -289,6 +289,16 @@ def cat_group_quantize(setup: Setup, rowwise: bool, columnwise: bool) -> list:
     return drop_to(list(outs), rowwise, columnwise)
 
 
+def binding_quantize_experts(setup: Setup, rowwise: bool, columnwise: bool) -> list:
+    """The binding's grouped quantization of a call's experts."""
+    from te_integration.runtime._expert_quantize import quantize_experts
+
+    outs = quantize_experts(setup.quantizers, list(setup.weights), rowwise, columnwise)
+    if outs is None:
+        raise RuntimeError("quantize_experts declined these experts (it quantizes them one by one then)")
+    return outs
+
+
 class ScaledCast:
     """Per-tensor current scaling in few launches: the experts' amaxes (one
     ``torch._foreach_norm(ord=inf)``, or TE's ``compute_amax`` per expert),
@@ -372,6 +382,8 @@ def candidates(setup: Setup, rowwise: bool, columnwise: bool) -> list:
     if recipe in ("current", "block"):
         out.append(("cat_group_quantize", "torch.cat + tex.group_quantize + per-expert views",
                     lambda: cat_group_quantize(setup, rowwise, columnwise)))
+    out.append(("binding_quantize_experts", "te_integration's quantize_experts (what the drop-in runs)",
+                lambda: binding_quantize_experts(setup, rowwise, columnwise)))
     if recipe == "current":
         sc = ScaledCast(setup)
         out += [

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from . import _harness as h
 from . import _moe_step as run
 from ._moe_step import ORDER
+from ._profile import added_calls_table, own_time_table
 from ._runner import Job, gpu_main
 
 NAME = "moe_step"
@@ -167,7 +168,7 @@ def summarize(samples: list[dict], args=None) -> dict:
                      "samples_ms": [1e3 * v for v in times]} for label, times in s.get("step_time_s", {}).items()]
         if s.get("profile"):
             rows += profile_rows(s)
-            tables.append(kernel_table(s))
+            tables += [kernel_table(s), *host_tables(s)]
     for case, variants in memory.items():
         rows += memory_rows(case, variants)
     return {"rows": rows, "timings": timings, "tables": tables}
@@ -209,6 +210,19 @@ def kernel_table(sample: dict, top: int = 12) -> dict:
     return {"title": f"{sample['case']}: kernels per step, drop-in against stock",
             "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
             "note": f"the {top} largest differences in one profiled step"}
+
+
+def host_tables(sample: dict) -> list[dict]:
+    """Where the host time of the profiled step goes: the functions whose
+    Python-level call counts differ most, and the drop-in's own time by
+    function (none where the sample predates these fields)."""
+    st, dr = sample["profile"]["stock"], sample["profile"]["dropin"]
+    if "calls_by" not in st or "calls_by" not in dr:
+        return []
+    case = sample["case"]
+    return [added_calls_table(f"{case}: Python-level calls per step, drop-in against stock", st["calls_by"],
+                              dr["calls_by"], top=20),
+            own_time_table(f"{case}: own time per function in the profiled step", st["own_by"], dr["own_by"])]
 
 
 def memory_rows(case: str, variants: dict) -> list[dict]:

@@ -110,3 +110,20 @@ def test_memory_is_held_to_bf16s(held, after, ok):
     rows = _rows(samples, "forward-held <= bf16's") + _rows(samples, "after the step <= bf16's")
     assert len(rows) == 2 and all(r["ok"] is not None for r in rows)
     assert all(r["ok"] for r in rows) is ok
+
+
+def test_the_profiled_step_says_which_functions_the_drop_in_calls_more():
+    sample = _timing(0.305, 13_000)
+    sample["profile"]["stock"].update(calls_by={"te:quantize": 10, "te:gemm": 5}, own_by={"te:gemm": 0.002})
+    sample["profile"]["dropin"].update(calls_by={"te:quantize": 40, "te:gemm": 5, "ours:split": 3},
+                                       own_by={"te:gemm": 0.002, "ours:split": 0.001})
+    tables = {t["title"]: t for t in moe_step.summarize([sample])["tables"]}
+    calls = tables[f"{CASE.name()}: Python-level calls per step, drop-in against stock"]
+    assert calls["rows"] == [["te:quantize", "10", "40", "+30"], ["ours:split", "0", "3", "+3"]]
+    own = tables[f"{CASE.name()}: own time per function in the profiled step"]
+    assert own["rows"] == [["te:gemm", "2.000", "2.000"], ["ours:split", "0.000", "1.000"]]
+
+
+def test_a_sample_without_call_counts_gets_no_host_tables():
+    titles = [t["title"] for t in moe_step.summarize([_timing(0.305, 13_000)])["tables"]]
+    assert titles == [f"{CASE.name()}: kernels per step, drop-in against stock"]

@@ -136,14 +136,19 @@ def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool
     except NotImplementedError:  # a format that cannot build columnwise data alone: both, then drop
         quantizer.set_usage(rowwise=True, columnwise=True)
         grouped, narrow = te.tex.group_quantize(stacked, quantizer, count, None), False
-    experts = getattr(grouped, "quantized_tensors", None) or grouped.split_into_quantized_tensors()
-    experts = list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
+    padded = None
     if per_tensor:
         inverse = grouped.scale_inv if grouped.scale_inv is not None else grouped.columnwise_scale_inv
-        padded = torch.constant_pad_nd(inverse.reshape(count, 1), (0, _SCALE_ALIGNMENT - 1))
-        for i, expert in enumerate(experts):
-            expert._scale_inv = padded[i, :1]
-    return experts
+        padded = torch.constant_pad_nd(inverse.reshape(count, 1), (0, _SCALE_ALIGNMENT - 1))[:, :1].unbind(0)
+    experts = getattr(grouped, "quantized_tensors", None)  # TE may have split it already
+    if experts is None:
+        experts = te.split_experts(grouped, quantizer, count, (rows, stacked.shape[1]), padded)
+        padded = None if experts is not None else padded
+    if experts is None:  # not a layout split_experts reads: TE's own split, with its Python per expert
+        experts = grouped.split_into_quantized_tensors()
+    for expert, row in zip(experts, padded or ()):
+        expert._scale_inv = row
+    return list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
 
 
 #: float32 scales per 16 bytes: cuBLAS's alignment for a scale's address.

@@ -131,6 +131,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_GL, "quantize_weight"), Seam(_GL, "prepare_for_saving", "prepare_for_saving"),
     Seam(_GL, "restore_from_func_ctx", "restore_from_func_ctx"),
     Seam(_GL, "GroupedTensorStorage", "GroupedTensorStorage"), Seam(_GL, "tex", "tex"),
+    # The per-expert storages a grouped quantization is split into (``split_experts``).
+    Seam(f"{_PT}.tensor.storage.float8_tensor_storage", "Float8TensorStorage", "Float8TensorStorage"),
+    Seam(f"{_PT}.tensor.storage.float8_blockwise_tensor_storage", "Float8BlockwiseQTensorStorage",
+         "Float8BlockwiseQTensorStorage"),
+    Seam(f"{_PT}.tensor.float8_blockwise_tensor", "Float8BlockQuantizer", "Float8BlockQuantizer"),
     # Names managed_construction rebinds while TE builds its composite modules.
     Seam(f"{_PT}.attention.multi_head_attention", "Linear"),
     Seam(f"{_PT}.attention.multi_head_attention", "LayerNormLinear"),
@@ -226,6 +231,9 @@ GroupedFunction = _found["GroupedFunction"]
 prepare_for_saving = _found["prepare_for_saving"]
 restore_from_func_ctx = _found["restore_from_func_ctx"]
 GroupedTensorStorage = _found["GroupedTensorStorage"]
+Float8TensorStorage = _found["Float8TensorStorage"]
+Float8BlockwiseQTensorStorage = _found["Float8BlockwiseQTensorStorage"]
+Float8BlockQuantizer = _found["Float8BlockQuantizer"]
 tex = _found["tex"]
 quantize_weight = _found["quantize_weight"]
 is_weight_workspace_valid = _found["is_weight_workspace_valid"]
@@ -299,6 +307,16 @@ _SENTINELS = {
                                                "weight_tensors = saved_tensors[1 : 1 + N]"],
     TEGroupedLinear.forward: ["_GroupedLinear.apply", "_GroupedLinear.forward", "self.prepare_forward(",
                               "self.end_forward()", 'self._fp8_workspaces[key] = ws'],
+    # split_experts builds what split_into_quantized_tensors builds, in TE's layout.
+    GroupedTensorStorage.split_into_quantized_tensors: [
+        "data_start = i * numel", "rowwise_data = self.rowwise_data[data_start:data_end].view(rowwise_tensor_shape)",
+        "columnwise_tensor_shape = quantizer.get_columnwise_shape(tensor_shape)",
+        "scale_inv = self.scale_inv[i : i + 1]", "scale_inv = self.columnwise_scale_inv[i : i + 1]",
+        "cum += math.prod(scale_shape)", "is_2D_scaled = quantizer.block_scaling_dim == 2",
+        "float8_tensor_class = Float8TensorStorage", "float8_blockwise_q_tensor_class = Float8BlockwiseQTensorStorage"],
+    Float8TensorStorage.__new__: ["instance._quantizer = quantizer.copy() if quantizer is not None else None"],
+    Float8BlockwiseQTensorStorage.__new__: [
+        "instance._quantizer = quantizer.copy() if quantizer is not None else None"],
     TELayerNormMLP.forward: ["_LayerNormMLP.apply", "_LayerNormMLP.forward", "self.prepare_forward(",
                              "self.end_forward()"],
 }
@@ -318,3 +336,56 @@ if _problems:
         + f". Install a released TransformerEngine {SUPPORTED}.x ({_INSTALL_HINT}); if this already is one, "
         "please report this message to the te-workspace-manager project."
     )
+
+
+def split_experts(grouped, quantizer, count: int, shape: tuple, scale_rows=None) -> list | None:
+    """The experts of ``tex.group_quantize(stacked, quantizer, count)``, as
+    ``grouped.split_into_quantized_tensors()`` gives them (TE's classes,
+    views of the same buffers at the same offsets), without its Python work
+    per expert: one ``unbind`` per buffer gives every expert's view, and
+    the experts share one copy of ``quantizer`` where TE copies it for each
+    (nothing writes to a workspace's quantizer). ``scale_rows``, for
+    per-tensor scaling, replaces each expert's ``scale_inv`` (one row per
+    expert). None where this is not TE's evenly split layout of a storage
+    class (then the caller asks TE)."""
+    if not getattr(quantizer, "internal", False):
+        return None  # TE's split would make QuantizedTensor subclasses here
+    rowwise, columnwise = grouped.rowwise_data, grouped.columnwise_data
+    rows = rowwise.view(count, *shape).unbind(0) if rowwise is not None else (None,) * count
+    cols = ((None,) * count if columnwise is None else
+            columnwise.view(count, *quantizer.get_columnwise_shape(shape)).unbind(0))
+    common = {"shape": shape, "dtype": grouped.fake_dtype, "fp8_dtype": quantizer.dtype, "quantizer": None}
+    if isinstance(quantizer, Float8BlockQuantizer):
+        scales = _block_scales(grouped, quantizer, count, shape)
+        if scales is None:
+            return None
+        common["is_2D_scaled"] = quantizer.block_scaling_dim == 2
+        out = [Float8BlockwiseQTensorStorage(rowwise_data=r, rowwise_scale_inv=rs, columnwise_data=c,
+                                             columnwise_scale_inv=cs, **common)
+               for r, c, rs, cs in zip(rows, cols, *scales)]
+    else:
+        inverse = grouped.scale_inv if grouped.scale_inv is not None else grouped.columnwise_scale_inv
+        if scale_rows is None:
+            scale_rows = inverse.view(count, 1).unbind(0)
+        out = [Float8TensorStorage(data=r, fp8_scale_inv=s, data_transpose=c, **common)
+               for r, c, s in zip(rows, cols, scale_rows)]
+    shared = quantizer.copy()
+    for expert in out:
+        expert._quantizer = shared
+    return out
+
+
+def _block_scales(grouped, quantizer, count: int, shape: tuple) -> tuple | None:
+    """Every expert's rowwise and columnwise scales (None where absent), or
+    None where the buffers are not ``count`` equal blocks (TE then reads
+    offsets this does not)."""
+    pairs = []
+    for buffer, columnwise in ((grouped.scale_inv, False), (grouped.columnwise_scale_inv, True)):
+        if buffer is None:
+            pairs.append((None,) * count)
+            continue
+        scale_shape = quantizer.get_scale_shape(shape, columnwise)
+        if buffer.numel() != count * scale_shape[0] * scale_shape[1]:
+            return None
+        pairs.append(buffer.view(count, *scale_shape).unbind(0))
+    return tuple(pairs)

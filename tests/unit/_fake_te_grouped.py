@@ -346,7 +346,9 @@ def compat_entries(quantize_weight: Any = None) -> dict[str, Any]:
     return {"grouped_module": file, "TEGroupedLinear": TEGroupedLinear, "GroupedFunction": grouped_fn,
             "prepare_for_saving": prepare, "restore_from_func_ctx": restore, "GROUPED_ARGS": ARGS,
             "GroupedTensorStorage": GroupedWorkspace, "tex": types.SimpleNamespace(group_quantize=group_quantize),
-            "tep": package, "te_module_package": types.SimpleNamespace(GroupedLinear=TEGroupedLinear)}
+            "tep": package, "te_module_package": types.SimpleNamespace(GroupedLinear=TEGroupedLinear),
+            # TE's real layout is read on the GPU only: here every group is split by the stand-in's own split.
+            "split_experts": lambda grouped, quantizer, count, shape, scale_rows=None: None}
 
 
 def _copy(fn):

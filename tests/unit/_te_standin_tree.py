@@ -205,6 +205,25 @@ def _files() -> dict[str, str]:
                 pass
         """,
         "pytorch/tensor/__init__.py": "",
+        "pytorch/tensor/storage/__init__.py": "",
+        "pytorch/tensor/storage/float8_tensor_storage.py": """
+            class Float8TensorStorage:
+                def __new__(cls, *args, quantizer=None, **kwargs):
+                    instance = object.__new__(cls)
+                    instance._quantizer = quantizer.copy() if quantizer is not None else None
+                    return instance
+        """,
+        "pytorch/tensor/storage/float8_blockwise_tensor_storage.py": """
+            class Float8BlockwiseQTensorStorage:
+                def __new__(cls, *args, quantizer=None, **kwargs):
+                    instance = object.__new__(cls)
+                    instance._quantizer = quantizer.copy() if quantizer is not None else None
+                    return instance
+        """,
+        "pytorch/tensor/float8_blockwise_tensor.py": """
+            class Float8BlockQuantizer:
+                pass
+        """,
         "pytorch/tensor/utils.py": """
             def clear_columnwise_cache(tensor):
                 return None
@@ -226,7 +245,16 @@ def _grouped_linear_source() -> str:
             general_grouped_gemm = None
             tex = None
             class GroupedTensorStorage:
-                pass
+                def split_into_quantized_tensors(self, i=0, numel=0, quantizer=None, tensor_shape=None, math=None):
+                    data_start = i * numel
+                    rowwise_data = self.rowwise_data[data_start:data_end].view(rowwise_tensor_shape)
+                    columnwise_tensor_shape = quantizer.get_columnwise_shape(tensor_shape)
+                    scale_inv = self.scale_inv[i : i + 1]
+                    scale_inv = self.columnwise_scale_inv[i : i + 1]
+                    cum += math.prod(scale_shape)
+                    is_2D_scaled = quantizer.block_scaling_dim == 2
+                    float8_tensor_class = Float8TensorStorage
+                    float8_blockwise_q_tensor_class = Float8BlockwiseQTensorStorage
             def prepare_for_saving(*tensors):
                 return list(tensors), [None] * len(tensors)
             def restore_from_func_ctx(ctx, return_saved_tensors=False):

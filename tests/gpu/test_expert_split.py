@@ -1,0 +1,91 @@
+"""``te._compat.split_experts`` against TE's ``split_into_quantized_tensors``.
+
+The grouped quantization of a GroupedLinear call's experts is split into
+per-expert storages by ``split_experts``, which builds them without TE's
+Python work per expert. Each expert must be what TE's own split gives: the
+same class, views of the same bytes at the same addresses and shapes, the
+same scales and settings; the one intended difference is that the experts
+share one copy of the quantizer where TE copies it for each.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+EXPERTS, ROWS, COLS = 6, 256, 384
+
+#: The storage fields each per-expert workspace holds, by class name.
+_FIELDS = {
+    "Float8TensorStorage": ("_data", "_transpose", "_scale_inv"),
+    "Float8BlockwiseQTensorStorage": ("_rowwise_data", "_columnwise_data", "_rowwise_scale_inv",
+                                      "_columnwise_scale_inv"),
+}
+_SETTINGS = ("_fp8_dtype", "_dtype", "_transpose_invalid", "_is_2D_scaled")
+
+
+def _quantizer(recipe: str):
+    from conftest import recipe_skip_reason
+
+    reason = recipe_skip_reason(recipe)
+    if reason:
+        pytest.skip(reason)
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    if recipe == "Float8CurrentScaling":
+        quantizer = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, "cuda")
+    else:
+        quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)
+    quantizer.internal = True
+    return quantizer
+
+
+def _same_view(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise", "both"])
+def test_split_experts_gives_what_te_s_split_gives(recipe, usage):
+    import torch
+    from te_integration.te import _compat as te
+
+    quantizer = _quantizer(recipe)
+    quantizer.set_usage(rowwise=usage != "columnwise", columnwise=usage != "rowwise")
+    stacked = torch.randn(EXPERTS * ROWS, COLS, device="cuda", dtype=torch.bfloat16)
+    stacked[ROWS:2 * ROWS] *= 50  # experts scaled apart, so each has scales of its own
+    try:
+        grouped = te.tex.group_quantize(stacked, quantizer, EXPERTS, None)
+    except NotImplementedError as err:
+        pytest.skip(f"TE builds no {usage} data alone for {recipe}: {err}")
+    ours = te.split_experts(grouped, quantizer, EXPERTS, (ROWS, COLS))
+    theirs = grouped.split_into_quantized_tensors()
+    assert ours is not None and len(ours) == len(theirs) == EXPERTS
+    for mine, te_own in zip(ours, theirs):
+        assert type(mine) is type(te_own)
+        for name in _FIELDS[type(te_own).__name__]:
+            assert _same_view(getattr(mine, name), getattr(te_own, name)), name
+        for name in _SETTINGS:
+            assert getattr(mine, name, None) == getattr(te_own, name, None), name
+        assert type(mine._quantizer) is type(te_own._quantizer)
+        assert vars(mine._quantizer) == vars(te_own._quantizer)
+    assert len({id(expert._quantizer) for expert in ours}) == 1  # one shared copy ...
+    assert all(expert._quantizer is not quantizer for expert in ours)  # ... not the module's own quantizer
+
+
+def test_split_experts_declines_a_quantizer_that_makes_tensors():
+    import torch
+    from te_integration.te import _compat as te
+
+    quantizer = _quantizer("Float8CurrentScaling")
+    quantizer.internal = False  # TE's split makes Float8Tensor (a torch.Tensor subclass) then
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    grouped = te.tex.group_quantize(torch.randn(EXPERTS * ROWS, COLS, device="cuda", dtype=torch.bfloat16),
+                                    quantizer, EXPERTS, None)
+    assert te.split_experts(grouped, quantizer, EXPERTS, (ROWS, COLS)) is None
