@@ -376,16 +376,26 @@ def split_experts(grouped, quantizer, count: int, shape: tuple, scale_rows=None)
 
 
 def _block_scales(grouped, quantizer, count: int, shape: tuple) -> tuple | None:
-    """Every expert's rowwise and columnwise scales (None where absent), or
-    None where the buffers are not ``count`` equal blocks (TE then reads
-    offsets this does not)."""
+    """Every expert's rowwise and columnwise scales (None where absent), at
+    the offsets TE's split reads: the group's own where it has them, else
+    ``count`` equal blocks. None where neither fits the buffer."""
     pairs = []
-    for buffer, columnwise in ((grouped.scale_inv, False), (grouped.columnwise_scale_inv, True)):
+    for buffer, offsets, columnwise in ((grouped.scale_inv, grouped.scale_inv_offsets, False),
+                                        (grouped.columnwise_scale_inv, grouped.columnwise_scale_inv_offsets, True)):
         if buffer is None:
             pairs.append((None,) * count)
             continue
         scale_shape = quantizer.get_scale_shape(shape, columnwise)
-        if buffer.numel() != count * scale_shape[0] * scale_shape[1]:
+        size = scale_shape[0] * scale_shape[1]
+        if offsets is None and buffer.numel() == count * size:
+            pairs.append(buffer.view(count, *scale_shape).unbind(0))
+            continue
+        if offsets is None:
+            offsets = range(0, (count + 1) * size, size)
+        if not isinstance(offsets, (list, tuple, range)) or len(offsets) <= count or offsets[count] > buffer.numel():
             return None
-        pairs.append(buffer.view(count, *scale_shape).unbind(0))
+        try:
+            pairs.append(tuple(buffer[offsets[i]:offsets[i + 1]].view(scale_shape) for i in range(count)))
+        except RuntimeError:  # a block of another size than the expert's scales
+            return None
     return tuple(pairs)

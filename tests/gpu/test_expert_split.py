@@ -66,7 +66,10 @@ def test_split_experts_gives_what_te_s_split_gives(recipe, usage):
         pytest.skip(f"TE builds no {usage} data alone for {recipe}: {err}")
     ours = te.split_experts(grouped, quantizer, EXPERTS, (ROWS, COLS))
     theirs = grouped.split_into_quantized_tensors()
-    assert ours is not None and len(ours) == len(theirs) == EXPERTS
+    layout = {name: (None if getattr(grouped, name) is None else getattr(grouped, name).numel(),
+                     getattr(grouped, name + "_offsets", None)) for name in ("scale_inv", "columnwise_scale_inv")}
+    assert ours is not None, f"split_experts declined TE's layout: {layout}"
+    assert len(ours) == len(theirs) == EXPERTS
     for mine, te_own in zip(ours, theirs):
         assert type(mine) is type(te_own)
         for name in _FIELDS[type(te_own).__name__]:
