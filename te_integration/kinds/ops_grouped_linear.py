@@ -18,6 +18,11 @@ and calls these functions:
   TE's backward reads them. Under a plan that saves the workspace, what is
   saved keeps only the usages backward reads (TE's grouped-tensor path
   saves both).
+* Where that plan also caches nothing (FSDP2's), the weights TE quantizes
+  in forward live only in that forward, so the drop-in's
+  ``_get_discrete_weights_for_gemm`` (the split-quantize path's, one TE call
+  per group) quantizes them all with one grouped call
+  (``runtime/_expert_quantize``), as the rebuild in backward does.
 * Each group's weight is planned under its own key (``weight0``, ...); the
   groups share one call shape, so one plan.
 
@@ -35,9 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workspace_manager import BackwardSource, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
+from workspace_manager import BackwardSource, CacheAction, ColumnwiseSource, RecomputePass, RecomputeScope, Usage
 
-from ..runtime._call import ACTIVE, recompute_pass
+from ..runtime._call import ACTIVE, CallPart, recompute_pass
+from ..runtime._expert_quantize import quantize_experts
 from ..runtime._freshness import is_per_tensor
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
@@ -95,6 +101,8 @@ def grouped_forward(op, te_method, kwargs: dict):
     n = len(planned)
     if levers.saves_no_workspace and not levers.is_quantized_param:
         kwargs["input_requires_grad"] = False  # rowwise only, and no quantized weight saved
+        if levers.cache is CacheAction.BYPASS:
+            record.part = AT_ONCE  # the weights live only in this forward: all from one grouped quantization
         out, saved = te_method(**kwargs)
         kept = tuple(w for w, _ in planned) if input_rg else (None,) * n
         return out, saved[:-n] + kept
@@ -184,11 +192,34 @@ def grouped_before_backward(op_ctx) -> None:
         op_ctx.saved_tensors = work.before_te_backward(op_ctx, op_ctx.saved_tensors)
 
 
+class GroupsAtOnce(CallPart):
+    """The record's part (:data:`AT_ONCE`) of a te.ops GroupedLinear call
+    whose groups' weights are quantized by one grouped call in forward."""
+
+    __slots__ = ()
+
+
+AT_ONCE = GroupsAtOnce()
+
+
 class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
     """``te.ops.GroupedLinear`` whose weights' workspaces follow a :class:`WorkspacePolicy`
     (each group's weight planned under its own key; see the module docstring)."""
 
     _wm_kind = KIND
+
+    def _get_discrete_weights_for_gemm(self, weight_params, weight_quantizers, columnwise_usage: bool,
+                                       with_quantized_compute: bool, dtype) -> list:
+        """TE's per-group quantization of the forward weights, made by one
+        grouped call (``_expert_quantize``) where the plan keeps none of
+        them past this forward and a grouped call gives TE's bytes."""
+        record = _record_of(self) if with_quantized_compute else None
+        if record is not None and record.part is AT_ONCE and isinstance(weight_params, list):
+            grouped = quantize_experts(weight_quantizers, weight_params, True, columnwise_usage)
+            if grouped is not None:
+                return grouped
+        return super()._get_discrete_weights_for_gemm(weight_params, weight_quantizers, columnwise_usage,
+                                                      with_quantized_compute, dtype)
 
     def _fuser_forward_split_quantize(self, **kwargs: Any) -> Any:
         return grouped_forward(self, super()._fuser_forward_split_quantize, kwargs)

@@ -19,9 +19,11 @@ concatenates the experts (one copy kernel) and quantizes them in one call:
   on its own rows, with the first expert's quantizer (the experts' are
   alike: checked, see :func:`_alike`).
 
-Each gives, expert by expert, the bytes and scales TE's per-expert
-``quantize`` gives (checked bit for bit on the GPU for every sm_90 recipe:
-``benchmarks/grouped_quantize_probe.py``). The price is a transient copy
+A grouped result is split into per-expert workspaces by
+``te._compat.split_experts`` (TE's classes over the same views, without
+TE's Python work per expert). Each way gives, expert by expert, the bytes
+and scales TE's per-expert ``quantize`` gives (checked bit for bit on the
+GPU for every sm_90 recipe: ``benchmarks/grouped_quantize_probe.py``). The price is a transient copy
 of the experts' high-precision weights while they are quantized. Any other
 quantizer (MXFP8, NVFP4, a custom or debug one, amax reduction) returns None
 and the caller quantizes expert by expert, as TE does.

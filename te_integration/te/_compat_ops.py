@@ -53,7 +53,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_GL, "GroupedLinear._fuser_forward_split_quantize"), Seam(_GL, "GroupedLinear._fuser_forward_grouped_tensor"),
     Seam(_GL, "GroupedLinear.fuser_backward"), Seam(_GL, "GroupedLinear._fuser_backward_split_quantize"),
     Seam(_GL, "GroupedLinear._fuser_backward_grouped_tensor"), Seam(_GL, "GroupedLinear._is_distributed_weight"),
-    Seam(_GL, "GroupedLinear.fuser_forward_save_ctx"),
+    Seam(_GL, "GroupedLinear.fuser_forward_save_ctx"), Seam(_GL, "GroupedLinear._get_discrete_weights_for_gemm"),
     # The GEMMs the linear ops call (check_stale_reads watches them).
     Seam(_BL, export="basic_linear_module"), Seam(_BL, "general_gemm"),
     Seam(_GL, export="ops_grouped_module"), Seam(_GL, "general_grouped_gemm"),
@@ -92,7 +92,11 @@ _SENTINELS = {
                                            "_OperationFuserAutogradFunction.forward(None",
                                            "op.pre_fuser_forward(requires_grad="],
     GroupedLinear.fuser_forward: ["input_requires_grad=input_requires_grad,", "weight_quantizers=weight_quantizers,"],
-    GroupedLinear._fuser_forward_split_quantize: ["columnwise_usage=input_requires_grad",
+    # The drop-in's _get_discrete_weights_for_gemm quantizes every group's weight at once.
+    GroupedLinear._get_discrete_weights_for_gemm: ["quantizer.set_usage(rowwise=True, columnwise=columnwise_usage)",
+                                                   "w = quantizer(w)"],
+    GroupedLinear._fuser_forward_split_quantize: ["ws = self._get_discrete_weights_for_gemm(",
+                                                  "columnwise_usage=input_requires_grad",
                                                   "if not input_requires_grad or self._is_distributed_weight():",
                                                   "saved.extend(ws)", "return out, tuple(saved)"],
     GroupedLinear._fuser_forward_grouped_tensor: ["columnwise_usage=input_requires_grad",

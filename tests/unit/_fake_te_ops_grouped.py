@@ -35,13 +35,10 @@ class GroupedLinear(BasicOperation):
 
     def _path(self, *, input_, weight_quantizers, with_quantized_compute, input_requires_grad, weight_requires_grad):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_groups)]
-        ws = []
-        for w, q in zip(weights, weight_quantizers):
-            if with_quantized_compute:
-                q.set_usage(rowwise=True, columnwise=input_requires_grad)
-                w = q(w)
-                FORWARD.append(w.get_usages())
-            ws.append(w)
+        ws = self._get_discrete_weights_for_gemm(weights, weight_quantizers, columnwise_usage=input_requires_grad,
+                                                 with_quantized_compute=with_quantized_compute, dtype=torch.float32)
+        if with_quantized_compute:
+            FORWARD.extend(w.get_usages() for w in ws)
         xs = list(torch.chunk(input_, self.num_groups))
         out = torch.cat([fake.general_gemm(w, x, layout="TN") for w, x in zip(ws, xs)])
         if not input_requires_grad:
@@ -50,6 +47,16 @@ class GroupedLinear(BasicOperation):
             for w in ws:
                 w.update_usage(rowwise_usage=False, columnwise_usage=True)
         return out, tuple([None] * 5 + xs + ws)
+
+    def _get_discrete_weights_for_gemm(self, weight_params, weight_quantizers, columnwise_usage,
+                                       with_quantized_compute, dtype):
+        out = []
+        for w, q in zip(weight_params, weight_quantizers):
+            if with_quantized_compute:
+                q.set_usage(rowwise=True, columnwise=columnwise_usage)
+                w = q(w)
+            out.append(w)
+        return out
 
     def _fuser_forward_split_quantize(self, **kwargs):
         return self._path(**kwargs)

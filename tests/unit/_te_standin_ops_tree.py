@@ -41,8 +41,11 @@ class GroupedLinear:
     def fuser_forward(self, *args, **kwargs):
         {_lines("input_requires_grad=input_requires_grad,", "weight_quantizers=weight_quantizers,")}
     def _fuser_forward_split_quantize(self, **kwargs):
-        {_lines("columnwise_usage=input_requires_grad", "if not input_requires_grad or self._is_distributed_weight():",
-                "saved.extend(ws)", "return out, tuple(saved)")}
+        {_lines("ws = self._get_discrete_weights_for_gemm(", "columnwise_usage=input_requires_grad",
+                "if not input_requires_grad or self._is_distributed_weight():", "saved.extend(ws)",
+                "return out, tuple(saved)")}
+    def _get_discrete_weights_for_gemm(self, *args, **kwargs):
+        {_lines("quantizer.set_usage(rowwise=True, columnwise=columnwise_usage)", "w = quantizer(w)")}
     def _fuser_forward_grouped_tensor(self, **kwargs):
         {_lines("columnwise_usage=input_requires_grad", "if not input_requires_grad or self._is_distributed_weight():",
                 "saved.extend(grouped_weights)", "return out, tuple(saved)")}

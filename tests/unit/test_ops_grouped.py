@@ -96,3 +96,33 @@ def test_grouped_backward_derives_the_columnwise_data_a_release_dropped_from_qua
     grouped._edit_op_ctx(ctx, record)
     grouped.grouped_before_backward(ctx)
     assert all(not p.get_usages()["columnwise"] for p in kept)
+
+
+@pytest.mark.parametrize("sharding, grouped_passes", [
+    (Sharding.FSDP2_RESHARD, [(GROUPS, True, False), (GROUPS, False, True)]),  # forward rowwise, backward columnwise
+    (Sharding.NONE, []),  # the plain plan saves forward's copies: TE's per-group quantization
+])
+def test_groups_are_quantized_at_once_where_the_plan_keeps_no_copy(ti, monkeypatch, sharding, grouped_passes):
+    import sys
+
+    tex, seen = sys.modules["te_integration.te._compat"].tex, []
+    kernel = tex.group_quantize
+
+    def counting(source, quantizer, count, splits, *args, **kwargs):
+        seen.append((count, quantizer.rowwise_usage, quantizer.columnwise_usage))
+        return kernel(source, quantizer, count, splits, *args, **kwargs)
+
+    monkeypatch.setattr(tex, "group_quantize", counting)
+    stock, managed = _grouped(), _grouped()
+    ti.modules.convert_model(managed)
+    for op in managed.ops:
+        _sharded(ti, op, sharding)
+    x = torch.randn(GROUPS * 2, IN, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    got = managed(x)
+    got.square().sum().backward()
+    assert seen == grouped_passes
+    xs = x.detach().clone().requires_grad_(True)
+    want = stock(xs)
+    want.square().sum().backward()
+    assert torch.equal(want, got) and torch.equal(xs.grad, x.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(stock.parameters(), managed.parameters()))
