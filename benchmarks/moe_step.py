@@ -19,8 +19,9 @@ the first, False after) and parameter kind (bf16, or made under
   profile  after the timed rounds, one more step of stock and of the drop-in
            under torch.profiler (CUDA kernels and launch calls per step, GPU
            busy time: the kernels' summed durations) and one under cProfile
-           (Python-level calls per step). Target: the drop-in launches no
-           more kernels than stock.
+           (Python-level calls per step; tables of the functions whose call
+           counts differ most and of the drop-in's own time by function).
+           Target: the drop-in launches no more kernels than stock.
   memory   bf16, stock and the drop-in, each alone: forward-held memory of the
            first microbatch (after its forward minus before), memory after
            the step (over what was allocated before the model was built) and
