@@ -19,6 +19,9 @@ _ROOTS = ("te_integration/", "workspace_manager/", "transformer_engine/", "torch
 def _label(file: str, name: str) -> str:
     if file == "~":  # a builtin: cProfile names it in ``name``
         return name
+    installed = file.rfind("site-packages/")
+    if installed >= 0:  # an installed package: its path from the package on
+        file = file[installed + len("site-packages/"):]
     for root in _ROOTS:
         at = file.find(root)
         if at >= 0:

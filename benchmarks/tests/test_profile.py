@@ -3,6 +3,8 @@ on plain Python functions: it names the functions a variant adds."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import step_time
 from benchmarks._profile import added_calls_table, own_time_table, profile_step
 
@@ -38,6 +40,18 @@ def test_function_labels_keep_no_machine_path():
     calls = profile_step(_stock)["calls"]
     assert any(label.startswith("benchmarks/tests/test_profile.py:") for label in calls)  # from the project root
     assert not any(label.startswith("/") for label in calls)
+
+
+@pytest.mark.parametrize("file, label", [
+    ("/opt/torch/.venv/lib/python3.12/site-packages/torch/nn/modules/module.py", "torch/nn/modules/module.py:f"),
+    ("/usr/lib/python3/site-packages/transformer_engine/pytorch/module/base.py",
+     "transformer_engine/pytorch/module/base.py:f"),
+    ("/home/u/project/te_integration/runtime/_call.py", "te_integration/runtime/_call.py:f"),
+])
+def test_an_installed_package_is_labelled_from_the_package_on(file, label):
+    from benchmarks._profile import _label
+
+    assert _label(file, "f") == label
 
 
 def test_the_summary_gets_one_table_per_profiled_case():

@@ -211,6 +211,7 @@ def _files() -> dict[str, str]:
                 def __new__(cls, *args, quantizer=None, **kwargs):
                     instance = object.__new__(cls)
                     instance._quantizer = quantizer.copy() if quantizer is not None else None
+                    instance.kwargs = kwargs  # what the caller gave (test_split_experts reads it)
                     return instance
         """,
         "pytorch/tensor/storage/float8_blockwise_tensor_storage.py": """
@@ -218,6 +219,7 @@ def _files() -> dict[str, str]:
                 def __new__(cls, *args, quantizer=None, **kwargs):
                     instance = object.__new__(cls)
                     instance._quantizer = quantizer.copy() if quantizer is not None else None
+                    instance.kwargs = kwargs  # what the caller gave (test_split_experts reads it)
                     return instance
         """,
         "pytorch/tensor/float8_blockwise_tensor.py": """
