@@ -23,10 +23,11 @@ A grouped result is split into per-expert workspaces by
 ``te._compat.split_experts`` (TE's classes over the same views, without
 TE's Python work per expert). Each way gives, expert by expert, the bytes
 and scales TE's per-expert ``quantize`` gives (checked bit for bit on the
-GPU for every sm_90 recipe: ``benchmarks/grouped_quantize_probe.py``). The price is a transient copy
-of the experts' high-precision weights while they are quantized. Any other
-quantizer (MXFP8, NVFP4, a custom or debug one, amax reduction) returns None
-and the caller quantizes expert by expert, as TE does.
+GPU for every sm_90 recipe: ``benchmarks/grouped_quantize_probe.py``). The
+price is a transient copy of the experts' high-precision weights while
+they are quantized. Any other quantizer (MXFP8, NVFP4, a custom or debug
+one, amax reduction) returns None and the caller quantizes expert by
+expert, as TE does.
 """
 
 from __future__ import annotations
@@ -138,18 +139,16 @@ def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool
     except NotImplementedError:  # a format that cannot build columnwise data alone: both, then drop
         quantizer.set_usage(rowwise=True, columnwise=True)
         grouped, narrow = te.tex.group_quantize(stacked, quantizer, count, None), False
-    padded = None
+    experts = getattr(grouped, "quantized_tensors", None)  # TE may have split it already
+    if experts is None:
+        experts = te.split_experts(grouped, quantizer, count, (rows, stacked.shape[1]))
+    if experts is None:  # not a layout split_experts reads: TE's own split, with its Python per expert
+        experts = grouped.split_into_quantized_tensors()
     if per_tensor:
         inverse = grouped.scale_inv if grouped.scale_inv is not None else grouped.columnwise_scale_inv
         padded = torch.constant_pad_nd(inverse.reshape(count, 1), (0, _SCALE_ALIGNMENT - 1))[:, :1].unbind(0)
-    experts = getattr(grouped, "quantized_tensors", None)  # TE may have split it already
-    if experts is None:
-        experts = te.split_experts(grouped, quantizer, count, (rows, stacked.shape[1]), padded)
-        padded = None if experts is not None else padded
-    if experts is None:  # not a layout split_experts reads: TE's own split, with its Python per expert
-        experts = grouped.split_into_quantized_tensors()
-    for expert, row in zip(experts, padded or ()):
-        expert._scale_inv = row
+        for expert, row in zip(experts, padded):
+            expert._scale_inv = row
     return list(experts) if narrow else _keep_only(experts, rowwise, columnwise)
 
 

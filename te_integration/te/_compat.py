@@ -338,16 +338,14 @@ if _problems:
     )
 
 
-def split_experts(grouped, quantizer, count: int, shape: tuple, scale_rows=None) -> list | None:
+def split_experts(grouped, quantizer, count: int, shape: tuple) -> list | None:
     """The experts of ``tex.group_quantize(stacked, quantizer, count)``, as
     ``grouped.split_into_quantized_tensors()`` gives them (TE's classes,
     views of the same buffers at the same offsets), without its Python work
     per expert: one ``unbind`` per buffer gives every expert's view, and
     the experts share one copy of ``quantizer`` where TE copies it for each
-    (nothing writes to a workspace's quantizer). ``scale_rows``, for
-    per-tensor scaling, replaces each expert's ``scale_inv`` (one row per
-    expert). None where this is not TE's evenly split layout of a storage
-    class (then the caller asks TE)."""
+    (nothing writes to a workspace's quantizer). None where this is not
+    TE's evenly split layout of a storage class (then the caller asks TE)."""
     if not getattr(quantizer, "internal", False):
         return None  # TE's split would make QuantizedTensor subclasses here
     rowwise, columnwise = grouped.rowwise_data, grouped.columnwise_data
@@ -365,10 +363,8 @@ def split_experts(grouped, quantizer, count: int, shape: tuple, scale_rows=None)
                for r, c, rs, cs in zip(rows, cols, *scales)]
     else:
         inverse = grouped.scale_inv if grouped.scale_inv is not None else grouped.columnwise_scale_inv
-        if scale_rows is None:
-            scale_rows = inverse.view(count, 1).unbind(0)
         out = [Float8TensorStorage(data=r, fp8_scale_inv=s, data_transpose=c, **common)
-               for r, c, s in zip(rows, cols, scale_rows)]
+               for r, c, s in zip(rows, cols, inverse.view(count, 1).unbind(0))]
     shared = quantizer.copy()
     for expert in out:
         expert._quantizer = shared

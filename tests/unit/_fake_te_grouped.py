@@ -348,7 +348,7 @@ def compat_entries(quantize_weight: Any = None) -> dict[str, Any]:
             "GroupedTensorStorage": GroupedWorkspace, "tex": types.SimpleNamespace(group_quantize=group_quantize),
             "tep": package, "te_module_package": types.SimpleNamespace(GroupedLinear=TEGroupedLinear),
             # TE's real layout is read on the GPU only: here every group is split by the stand-in's own split.
-            "split_experts": lambda grouped, quantizer, count, shape, scale_rows=None: None}
+            "split_experts": lambda grouped, quantizer, count, shape: None}
 
 
 def _copy(fn):
