@@ -85,8 +85,9 @@ def _profile(model, opt, recipe, data, managed: bool) -> dict:
 
 def kernel_profile(fn) -> dict:
     """Run ``fn`` once under torch.profiler: ``kernels`` (CUDA kernels, not
-    copies or fills), ``by_kernel`` (count per kernel name), ``launch_calls``
-    (host calls that launch GPU work) and ``busy_ms`` (the kernels' summed time)."""
+    copies or fills), ``by_kernel`` (count per kernel name), ``busy_by``
+    (summed time per kernel name, ms), ``launch_calls`` (host calls that
+    launch GPU work) and ``busy_ms`` (the kernels' summed time)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -94,17 +95,18 @@ def kernel_profile(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     by_kernel: dict[str, int] = {}
-    busy_us, launches = 0.0, 0
+    busy_by: dict[str, float] = {}
+    launches = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             if event.name.startswith(("Memcpy", "Memset")):
                 continue
             by_kernel[event.name] = by_kernel.get(event.name, 0) + 1
-            busy_us += event.time_range.elapsed_us()
+            busy_by[event.name] = busy_by.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
         elif event.name.startswith(_LAUNCH_PREFIXES):
             launches += 1
-    return {"kernels": sum(by_kernel.values()), "by_kernel": by_kernel, "launch_calls": launches,
-            "busy_ms": busy_us / 1e3}
+    return {"kernels": sum(by_kernel.values()), "by_kernel": by_kernel, "busy_by": busy_by,
+            "launch_calls": launches, "busy_ms": sum(busy_by.values())}
 
 
 class _Marks:

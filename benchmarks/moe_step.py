@@ -18,7 +18,8 @@ the first, False after) and parameter kind (bf16, or made under
            drop-in / stock at most 1.02 with one microbatch, 1.03 with more.
   profile  after the timed rounds, one more step of stock and of the drop-in
            under torch.profiler (CUDA kernels and launch calls per step, GPU
-           busy time: the kernels' summed durations) and one under cProfile
+           busy time: the kernels' summed durations; tables of the kernels
+           whose counts and times differ most) and one under cProfile
            (Python-level calls per step; tables of the functions whose call
            counts differ most and of the drop-in's own time by function).
            Target: the drop-in launches no more kernels than stock.
@@ -169,7 +170,7 @@ def summarize(samples: list[dict], args=None) -> dict:
                      "samples_ms": [1e3 * v for v in times]} for label, times in s.get("step_time_s", {}).items()]
         if s.get("profile"):
             rows += profile_rows(s)
-            tables += [kernel_table(s), *host_tables(s)]
+            tables += [kernel_table(s), *kernel_time_table(s), *host_tables(s)]
     for case, variants in memory.items():
         rows += memory_rows(case, variants)
     return {"rows": rows, "timings": timings, "tables": tables}
@@ -211,6 +212,22 @@ def kernel_table(sample: dict, top: int = 12) -> dict:
     return {"title": f"{sample['case']}: kernels per step, drop-in against stock",
             "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
             "note": f"the {top} largest differences in one profiled step"}
+
+
+def kernel_time_table(sample: dict, top: int = 12) -> list[dict]:
+    """The kernels whose summed GPU time per step differs most, drop-in
+    minus stock: where the drop-in's GPU busy time goes (none where the
+    sample predates per-kernel times)."""
+    st, dr = sample["profile"]["stock"].get("busy_by"), sample["profile"]["dropin"].get("busy_by")
+    if st is None or dr is None:
+        return []
+    deltas = sorted(((dr.get(k, 0.0) - st.get(k, 0.0), k) for k in set(st) | set(dr)),
+                    key=lambda d: (-abs(d[0]), d[1]))
+    rows = [[k[:90], f"{st.get(k, 0.0):.2f}", f"{dr.get(k, 0.0):.2f}", f"{d:+.2f}"] for d, k in deltas[:top]]
+    total = sum(dr.values()) - sum(st.values())
+    return [{"title": f"{sample['case']}: GPU time per kernel (ms per step), drop-in against stock",
+             "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
+             "note": f"the {top} largest differences in one profiled step; GPU busy added in all: {total:+.2f} ms"}]
 
 
 def host_tables(sample: dict) -> list[dict]:

@@ -124,6 +124,17 @@ def test_the_profiled_step_says_which_functions_the_drop_in_calls_more():
     assert own["rows"] == [["te:gemm", "2.000", "2.000"], ["ours:split", "0.000", "1.000"]]
 
 
-def test_a_sample_without_call_counts_gets_no_host_tables():
+def test_a_sample_without_call_counts_or_kernel_times_gets_only_the_kernel_count_table():
     titles = [t["title"] for t in moe_step.summarize([_timing(0.305, 13_000)])["tables"]]
     assert titles == [f"{CASE.name()}: kernels per step, drop-in against stock"]
+
+
+def test_the_profiled_step_says_which_kernels_the_drop_in_spends_more_gpu_time_in():
+    sample = _timing(0.305, 13_000)
+    sample["profile"]["stock"]["busy_by"] = {"gemm": 90.0, "cast_transpose": 4.0}
+    sample["profile"]["dropin"]["busy_by"] = {"gemm": 90.5, "cat": 6.0, "multi_cast": 3.0}
+    tables = {t["title"]: t for t in moe_step.summarize([sample])["tables"]}
+    table = tables[f"{CASE.name()}: GPU time per kernel (ms per step), drop-in against stock"]
+    assert table["rows"] == [["cat", "0.00", "6.00", "+6.00"], ["cast_transpose", "4.00", "0.00", "-4.00"],
+                             ["multi_cast", "0.00", "3.00", "+3.00"], ["gemm", "90.00", "90.50", "+0.50"]]
+    assert table["note"].endswith("GPU busy added in all: +5.50 ms")

@@ -5,29 +5,31 @@ each expert's gathered weight in forward and again in backward. TE's
 split-quantize path does it one expert at a time: a Python call and one to
 four kernel launches per expert, in every microbatch, which leaves a step
 with many experts bound by the host (the reason stock TE, which caches its
-copies across microbatches, is faster there). TE 2.20 also has kernels that
-quantize many tensors at once, but only from one contiguous tensor, and
-FSDP2 gives each expert's weight its own buffer; so :func:`quantize_experts`
-concatenates the experts (one copy kernel) and quantizes them in one call:
+copies across microbatches, is faster there). :func:`quantize_experts`
+quantizes them in one call:
 
-* per-tensor delayed scaling (``Float8Quantizer``): ``tex.split_quantize``
-  with each expert's own quantizer (its scale; its amax is recorded as a
-  per-expert quantization records it);
+* per-tensor delayed scaling (``Float8Quantizer``):
+  ``tex.multi_tensor_quantize`` with each expert's own quantizer (its
+  scale; its amax is recorded as a per-expert quantization records it). It
+  reads every expert's own buffer and casts them all in one fused
+  cast-transpose kernel;
 * per-tensor current scaling and FP8 block scaling
   (``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``):
   ``tex.group_quantize``, which computes each expert's amax or block scales
   on its own rows, with the first expert's quantizer (the experts' are
-  alike: checked, see :func:`_alike`).
+  alike: checked, see :func:`_alike`). Its kernels read one contiguous
+  tensor, and FSDP2 gives each expert's weight its own buffer, so the
+  experts are concatenated first (one copy kernel, and a transient copy of
+  their high-precision weights while they are quantized).
 
 A grouped result is split into per-expert workspaces by
 ``te._compat.split_experts`` (TE's classes over the same views, without
 TE's Python work per expert). Each way gives, expert by expert, the bytes
 and scales TE's per-expert ``quantize`` gives (checked bit for bit on the
-GPU for every sm_90 recipe: ``benchmarks/grouped_quantize_probe.py``). The
-price is a transient copy of the experts' high-precision weights while
-they are quantized. Any other quantizer (MXFP8, NVFP4, a custom or debug
-one, amax reduction) returns None and the caller quantizes expert by
-expert, as TE does.
+GPU for every sm_90 recipe by ``benchmarks/grouped_quantize_probe.py`` and
+``tests/gpu/test_expert_split.py``). Any other quantizer (MXFP8, NVFP4, a
+custom or debug one, amax reduction), or a TE build without these calls,
+returns None and the caller quantizes expert by expert, as TE does.
 """
 
 from __future__ import annotations
@@ -56,11 +58,10 @@ def quantize_experts(quantizers: Sequence, weights: Sequence, rowwise: bool, col
     named; or None where no grouped TE call gives what per-expert
     quantization gives (see the module docstring).
 
-    Only the first weight is looked at: a GroupedLinear's experts share
-    shape and dtype, and ``torch.cat`` refuses experts that do not fit
-    together (None then). Nothing here runs Python per expert: that is
-    what the grouped call saves; the checks of the quantizers run once per
-    list of them (:func:`_alike`)."""
+    Little Python runs per expert: that is what the grouped call saves. The
+    checks of the quantizers run once per list of them (:func:`_alike`);
+    experts that do not fit together (a missing one, another shape or
+    dtype) give None."""
     kind = type(quantizers[0])
     method = _METHODS[kind] if kind in _METHODS else _learn(kind)
     first = weights[0]
@@ -69,14 +70,7 @@ def quantize_experts(quantizers: Sequence, weights: Sequence, rowwise: bool, col
     key = tuple(map(id, quantizers))
     if key not in _ALIKE and not _alike(quantizers, key):
         return None
-    try:
-        stacked = torch.cat(weights)  # a transient copy: TE's grouped kernels read one tensor
-    except (TypeError, RuntimeError):  # a missing expert, or another shape
-        return None
-    rows = first.shape[0]
-    if stacked.dtype is not first.dtype or stacked.shape[0] != rows * len(weights):  # promoted, or uneven
-        return None
-    return method(quantizers, stacked, rows, rowwise, columnwise)
+    return method(quantizers, weights, rowwise, columnwise)
 
 
 def _learn(kind: type) -> Callable | None:
@@ -84,8 +78,10 @@ def _learn(kind: type) -> Callable | None:
     custom quantizer) may quantize differently, so it is never grouped."""
     method = None
     if kind.__module__.startswith("transformer_engine."):
-        method = {"Float8Quantizer": _split, "Float8CurrentScalingQuantizer": partial(_group, per_tensor=True),
+        method = {"Float8Quantizer": _multi, "Float8CurrentScalingQuantizer": partial(_group, per_tensor=True),
                   "Float8BlockQuantizer": _group}.get(kind.__name__)
+    if method is _multi and not hasattr(te.tex, "multi_tensor_quantize"):  # a TE build without it
+        method = None
     _METHODS[kind] = method
     return method
 
@@ -112,18 +108,36 @@ def _settings(quantizer: Any) -> tuple | None:
         "dtype", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim", "all_gather_usage", "internal"))
 
 
-def _split(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool) -> list:
+def _multi(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool) -> list | None:
     """Delayed scaling: each expert with its own quantizer (its scale, its
-    amax recorded). TE's fused multi-tensor cast builds both usages; the
+    amax recorded), straight from its own buffer. TE fuses the casts of
+    many tensors into one kernel only where it builds both usages; the
     unneeded one is dropped at once, as the per-expert rebuild drops it (D9)."""
+    first = weights[0]
+    if any(w is None or w.dtype is not first.dtype or not w.is_contiguous() for w in weights):
+        return None  # TE's kernel reads each buffer as a dense matrix of one type
     for quantizer in quantizers:
         quantizer.set_usage(rowwise=True, columnwise=True)
-    outs = te.tex.split_quantize(stacked, [rows] * len(quantizers), list(quantizers))
+    outs = te.tex.multi_tensor_quantize(list(weights), list(quantizers))
     return list(outs) if rowwise and columnwise else _keep_only(outs, rowwise, columnwise)
 
 
-def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool, columnwise: bool, *,
-           per_tensor: bool = False) -> list:
+def _stacked(weights: Sequence) -> tuple[torch.Tensor, int] | None:
+    """The experts in one tensor (a transient copy: TE's grouped kernels read
+    one tensor) and the rows of each; None where they do not fit together."""
+    first = weights[0]
+    try:
+        stacked = torch.cat(weights)
+    except (TypeError, RuntimeError):  # a missing expert, or another shape
+        return None
+    rows = first.shape[0]
+    if stacked.dtype is not first.dtype or stacked.shape[0] != rows * len(weights):  # promoted, or uneven
+        return None
+    return stacked, rows
+
+
+def _group(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool, *,
+           per_tensor: bool = False) -> list | None:
     """Current and block scaling: one grouped kernel (``tex.group_quantize``
     with the first quantizer), every expert scaled on its own rows.
 
@@ -131,6 +145,10 @@ def _group(quantizers: Sequence, stacked: torch.Tensor, rows: int, rowwise: bool
     ``scale_inv`` are views of one buffer, 4 bytes apart, and cuBLAS reads a
     GEMM's scale from a 16-byte aligned address; so each expert gets its
     own row of a padded copy (one kernel) of the same values."""
+    found = _stacked(weights)
+    if found is None:
+        return None
+    stacked, rows = found
     quantizer, count = quantizers[0], len(quantizers)
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     narrow = True

@@ -6,6 +6,10 @@ Python work per expert. Each expert must be what TE's own split gives: the
 same class, views of the same bytes at the same addresses and shapes, the
 same scales and settings; the one intended difference is that the experts
 share one copy of the quantizer where TE copies it for each.
+
+Delayed scaling's experts are not split from a group: each is quantized by
+its own quantizer in one multi-tensor call, and is checked against TE's
+per-expert ``quantize`` instead.
 """
 
 from __future__ import annotations
@@ -92,3 +96,48 @@ def test_split_experts_declines_a_quantizer_that_makes_tensors():
     grouped = te.tex.group_quantize(torch.randn(EXPERTS * ROWS, COLS, device="cuda", dtype=torch.bfloat16),
                                     quantizer, EXPERTS, None)
     assert te.split_experts(grouped, quantizer, EXPERTS, (ROWS, COLS)) is None
+
+
+def _delayed_quantizers(seed: int) -> list:
+    import torch
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    scales = torch.rand(EXPERTS, generator=torch.Generator().manual_seed(seed)) * 8 + 0.5  # a scale of its own each
+    quantizers = [Float8Quantizer(scales[i:i + 1].cuda(), torch.zeros(1, device="cuda"), tex.DType.kFloat8E4M3)
+                  for i in range(EXPERTS)]
+    for quantizer in quantizers:
+        quantizer.internal = True
+    return quantizers
+
+
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise", "both"])
+def test_delayed_experts_quantized_at_once_hold_what_each_alone_holds(usage):
+    """Delayed scaling's experts, each with its own scale, read from their own
+    buffers by one multi-tensor call: every expert's bytes, transpose, scale
+    and recorded amax as TE's per-expert ``quantize`` gives them (columnwise
+    alone is built with both usages and the rowwise dropped, as the drop-in's
+    per-expert rebuild does on Hopper)."""
+    import torch
+    from conftest import recipe_skip_reason
+    from te_integration.runtime._expert_quantize import quantize_experts
+
+    reason = recipe_skip_reason("DelayedScaling")
+    if reason:
+        pytest.skip(reason)
+    rowwise, columnwise = usage != "columnwise", usage != "rowwise"
+    weights = [torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(EXPERTS)]
+    ours, alone = _delayed_quantizers(7), _delayed_quantizers(7)
+    outs = quantize_experts(ours, weights, rowwise, columnwise)
+    assert outs is not None, "quantize_experts declined delayed scaling's experts"
+    for out, weight, quantizer, mine in zip(outs, weights, alone, ours):
+        quantizer.set_usage(rowwise=True, columnwise=True)
+        reference = quantizer.quantize(weight)
+        reference.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)
+        assert out.get_usages() == reference.get_usages()
+        for name in ("_data", "_transpose", "_scale_inv"):
+            got, want = getattr(out, name), getattr(reference, name)
+            assert (got is None) == (want is None), name
+            if want is not None:
+                assert torch.equal(got, want), name
+        assert torch.equal(mine.amax, quantizer.amax)  # the amax delayed scaling's history reads

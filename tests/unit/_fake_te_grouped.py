@@ -124,6 +124,12 @@ def group_quantize(source, quantizer, count, splits, noop_flag=None, output=None
     return out
 
 
+def multi_tensor_quantize(tensors, quantizers):
+    """TE's ``tex.multi_tensor_quantize``: each tensor with its own quantizer,
+    in the usages each asks for."""
+    return [quantizer.quantize(tensor) for tensor, quantizer in zip(tensors, quantizers)]
+
+
 def _prepare_weights(weights, quantizers, workspaces, *, num_gemms, single_grouped_weight, with_quantized_compute,
                      columnwise_usage, activation_dtype, is_first_microbatch, skip_fp8_weight_update, cache_weight):
     """TE's ``_prepare_weights_for_grouped_tensor_gemm``, weight steps only."""
@@ -345,7 +351,8 @@ def compat_entries(quantize_weight: Any = None) -> dict[str, Any]:
     package.GroupedLinear = TEGroupedLinear
     return {"grouped_module": file, "TEGroupedLinear": TEGroupedLinear, "GroupedFunction": grouped_fn,
             "prepare_for_saving": prepare, "restore_from_func_ctx": restore, "GROUPED_ARGS": ARGS,
-            "GroupedTensorStorage": GroupedWorkspace, "tex": types.SimpleNamespace(group_quantize=group_quantize),
+            "GroupedTensorStorage": GroupedWorkspace,
+            "tex": types.SimpleNamespace(group_quantize=group_quantize, multi_tensor_quantize=multi_tensor_quantize),
             "tep": package, "te_module_package": types.SimpleNamespace(GroupedLinear=TEGroupedLinear),
             # TE's real layout is read on the GPU only: here every group is split by the stand-in's own split.
             "split_experts": lambda grouped, quantizer, count, shape: None}

@@ -138,3 +138,64 @@ def test_grouped_experts_hold_what_per_expert_quantization_holds(ti, grouped_cal
         alone = quantizer.quantize(weight)
         assert out.get_usages() == alone.get_usages() == {"rowwise": False, "columnwise": True}
         assert torch.equal(out._transpose, alone._transpose)
+
+
+# -- delayed scaling: each expert's own quantizer, one multi-tensor call ------------------------
+
+@pytest.fixture
+def multi_calls(ti, monkeypatch):
+    """``[(experts, [(rowwise, columnwise) per quantizer])]`` of each multi-tensor call."""
+    tex, seen = _module("te._compat").tex, []
+    kernel = tex.multi_tensor_quantize
+
+    def counting(tensors, quantizers):
+        seen.append((len(tensors), {(q.rowwise_usage, q.columnwise_usage) for q in quantizers}))
+        return kernel(tensors, quantizers)
+
+    monkeypatch.setattr(tex, "multi_tensor_quantize", counting)
+    return seen
+
+
+def _delayed() -> list:
+    import _fake_te_mlp  # its stand-in is named as TE's delayed-scaling quantizer
+
+    return [_fake_te_mlp.Float8Quantizer() for _ in range(EXPERTS)]
+
+
+def test_delayed_scaling_quantizes_every_expert_in_one_multi_tensor_call(ti, grouped_calls, multi_calls):
+    stock, managed = _pair(ti, Sharding.FSDP2_RESHARD, _delayed)
+    assert _same(_step(managed), _step(stock))
+    assert grouped_calls == []  # no concatenation for group_quantize: each expert is read where it is
+    # Forward and backward's rebuild: both usages built (TE fuses only then), the other dropped after.
+    assert multi_calls == [(EXPERTS, {(True, True)}), (EXPERTS, {(True, True)})]
+
+
+def test_delayed_experts_keep_only_the_usage_asked_for(ti, multi_calls):
+    quantize_experts = _module("runtime._expert_quantize").quantize_experts
+    weights = [torch.randn(4, 8) for _ in range(EXPERTS)]
+    quantizers = _delayed()
+    outs = quantize_experts(quantizers, weights, True, False)
+    assert len(multi_calls) == 1
+    for out, weight, quantizer in zip(outs, weights, quantizers):
+        assert out.get_usages() == {"rowwise": True, "columnwise": False}
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        assert torch.equal(out._data, quantizer.quantize(weight)._data)
+
+
+@pytest.mark.parametrize("weights", [
+    lambda: [torch.randn(4, 8), None, torch.randn(4, 8)],
+    lambda: [torch.randn(4, 8), torch.randn(8, 4).t(), torch.randn(4, 8)],
+    lambda: [torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)],
+], ids=["a-missing-expert", "not-contiguous", "other-dtype"])
+def test_delayed_experts_the_multi_tensor_call_cannot_read_are_not_grouped(ti, multi_calls, weights):
+    quantize_experts = _module("runtime._expert_quantize").quantize_experts
+    assert quantize_experts(_delayed(), weights(), True, False) is None
+    assert multi_calls == []
+
+
+def test_a_te_build_without_the_multi_tensor_call_quantizes_delayed_experts_one_by_one(ti, monkeypatch):
+    expert_quantize = _module("runtime._expert_quantize")
+    monkeypatch.delattr(_module("te._compat").tex, "multi_tensor_quantize")
+    monkeypatch.setattr(expert_quantize, "_METHODS", {})
+    assert expert_quantize.quantize_experts(_delayed(), [torch.randn(4, 8) for _ in range(EXPERTS)],
+                                            True, False) is None
