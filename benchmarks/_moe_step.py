@@ -84,22 +84,38 @@ def _profile(model, opt, recipe, data, managed: bool) -> dict:
 
 
 def kernel_profile(fn) -> dict:
-    """Run ``fn`` once under torch.profiler: ``kernels`` (CUDA kernels, not
-    copies or fills), ``by_kernel`` (count per kernel name), ``busy_by``
-    (summed time per kernel name, ms), ``launch_calls`` (host calls that
-    launch GPU work) and ``busy_ms`` (the kernels' summed time)."""
+    """Run ``fn`` once under torch.profiler and count its GPU work
+    (:func:`count_kernels`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return count_kernels(prof.events())
+
+
+def count_kernels(events) -> dict:
+    """From a profile's events: ``kernels`` (CUDA kernels, not copies,
+    fills or annotated ranges), ``by_kernel`` (count per kernel name),
+    ``busy_by`` (summed time per kernel name, ms), ``launch_calls`` (host
+    calls that launch GPU work) and ``busy_ms`` (the kernels' summed time).
+
+    A ``record_function`` range (FSDP's ``FSDP::pre_forward``, the
+    optimizer's step) is mirrored on the GPU's timeline as an event of the
+    same name spanning the kernels inside it: counted, it would add its
+    whole span to the busy time. Such events are marked as user annotations,
+    and their names are the host ranges' names; either leaves one out."""
+    events = list(events)
+    cuda = torch.autograd.DeviceType.CUDA
+    ranges = {e.name for e in events if e.device_type != cuda and getattr(e, "is_user_annotation", False)}
     by_kernel: dict[str, int] = {}
     busy_by: dict[str, float] = {}
     launches = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            if event.name.startswith(("Memcpy", "Memset")):
+    for event in events:
+        if event.device_type == cuda:
+            if (event.name.startswith(("Memcpy", "Memset")) or event.name in ranges
+                    or getattr(event, "is_user_annotation", False)):
                 continue
             by_kernel[event.name] = by_kernel.get(event.name, 0) + 1
             busy_by[event.name] = busy_by.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3

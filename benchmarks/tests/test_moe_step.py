@@ -138,3 +138,28 @@ def test_the_profiled_step_says_which_kernels_the_drop_in_spends_more_gpu_time_i
     assert table["rows"] == [["cat", "0.00", "6.00", "+6.00"], ["cast_transpose", "4.00", "0.00", "-4.00"],
                              ["multi_cast", "0.00", "3.00", "+3.00"], ["gemm", "90.00", "90.50", "+0.50"]]
     assert table["note"].endswith("GPU busy added in all: +5.50 ms")
+
+
+def _event(name: str, device: str, us: float = 0.0, annotation: bool = False):
+    from types import SimpleNamespace
+
+    import torch
+
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_annotated_ranges_on_the_gpu_timeline_are_not_kernels():
+    from benchmarks._moe_step import count_kernels
+
+    events = [_event("FSDP::pre_forward (0)", "cpu", annotation=True),
+              _event("FSDP::pre_forward (0)", "cuda", us=8000.0),  # the range's mirror, spanning the kernels
+              _event("Optimizer.step#FusedAdam.step", "cuda", us=3000.0, annotation=True),
+              _event("cast_transpose", "cuda", us=100.0), _event("gemm", "cuda", us=400.0),
+              _event("gemm", "cuda", us=500.0), _event("Memcpy HtoD", "cuda", us=50.0),
+              _event("cudaLaunchKernel", "cpu"), _event("cudaLaunchKernel", "cpu")]
+    counted = count_kernels(events)
+    assert counted["by_kernel"] == {"cast_transpose": 1, "gemm": 2}
+    assert counted["kernels"] == 3 and counted["launch_calls"] == 2
+    assert counted["busy_by"] == {"cast_transpose": 0.1, "gemm": 0.9} and counted["busy_ms"] == 1.0
