@@ -122,9 +122,9 @@ def test_grouped_linear_adds_one_plan_and_at_most_two_of_our_calls_per_expert(ti
     # Over the dense budget: the saving pair's frames; under FSDP2 the
     # rebuild's objects and frames and the two grouped quantizations: each
     # our three frames (the entry, the method, the concatenation's), its
-    # checks (type, tuple of ids, isinstance), the concatenation, per-tensor scaling's aligned scales (reshape, pad,
-    # enumerate), and the stand-in grouped kernel's tensor builtins (C++ in
-    # TE, counted here).
+    # checks (type, tuple of ids, isinstance), the concatenation, per-tensor
+    # scaling's aligned scales (reshape, pad, enumerate), and the stand-in
+    # grouped kernel's tensor builtins (C++ in TE, counted here).
     grouped = 2 * 12 if sharding.is_fsdp2 else 0
     assert 0 < few <= BUDGET + (24 if sharding.is_fsdp2 else 8) + grouped, (few, few_where)
     # Our frames per expert: the quantize_weight seam (in place of TE's), also under FSDP2.

@@ -144,7 +144,7 @@ def test_grouped_experts_hold_what_per_expert_quantization_holds(ti, grouped_cal
 
 @pytest.fixture
 def multi_calls(ti, monkeypatch):
-    """``[(experts, [(rowwise, columnwise) per quantizer])]`` of each multi-tensor call."""
+    """``[(experts, {(rowwise, columnwise) of its quantizers})]`` of each multi-tensor call."""
     tex, seen = _module("te._compat").tex, []
     kernel = tex.multi_tensor_quantize
 
