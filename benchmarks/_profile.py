@@ -45,12 +45,19 @@ def profile_step(fn: Callable[[], object]) -> dict:
     return {"calls": calls, "own_by": own_by, "own_s": sum(own_by.values())}
 
 
+def largest_differences(stock: dict, dropin: dict, top: int) -> list[tuple]:
+    """``(drop-in minus stock, name)`` for the ``top`` names whose values
+    differ most (a name one side lacks counts as 0 there), largest first,
+    ties by name."""
+    deltas = ((dropin.get(n, 0) - stock.get(n, 0), n) for n in set(stock) | set(dropin))
+    return sorted(deltas, key=lambda d: (-abs(d[0]), d[1]))[:top]
+
+
 def added_calls_table(title: str, stock: dict[str, int], dropin: dict[str, int], top: int = 25) -> dict:
     """A result table (``tables`` entry) of the functions whose call counts
     differ most, drop-in minus stock, with both totals in its note."""
-    names = set(stock) | set(dropin)
-    deltas = sorted(((dropin.get(n, 0) - stock.get(n, 0), n) for n in names), key=lambda d: (-abs(d[0]), d[1]))
-    rows = [[n, str(stock.get(n, 0)), str(dropin.get(n, 0)), f"{d:+d}"] for d, n in deltas[:top] if d]
+    deltas = largest_differences(stock, dropin, top)
+    rows = [[n, str(stock.get(n, 0)), str(dropin.get(n, 0)), f"{d:+d}"] for d, n in deltas if d]
     total_s, total_d = sum(stock.values()), sum(dropin.values())
     note = (f"Python-level calls (functions and builtins): stock {total_s}, drop-in {total_d}, "
             f"added {total_d - total_s:+d}. Counted with cProfile over the same work; the top {top} differences.")

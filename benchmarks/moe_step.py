@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from . import _harness as h
 from . import _moe_step as run
 from ._moe_step import ORDER
-from ._profile import added_calls_table, own_time_table
+from ._profile import added_calls_table, largest_differences, own_time_table
 from ._runner import Job, gpu_main
 
 NAME = "moe_step"
@@ -207,8 +207,7 @@ def profile_rows(sample: dict) -> list[dict]:
 def kernel_table(sample: dict, top: int = 12) -> dict:
     """The kernels whose counts per step differ most, drop-in minus stock."""
     st, dr = sample["profile"]["stock"]["by_kernel"], sample["profile"]["dropin"]["by_kernel"]
-    deltas = sorted(((dr.get(k, 0) - st.get(k, 0), k) for k in set(st) | set(dr)), key=lambda d: (-abs(d[0]), d[1]))
-    rows = [[k[:90], st.get(k, 0), dr.get(k, 0), f"{d:+d}"] for d, k in deltas[:top] if d]
+    rows = [[k[:90], st.get(k, 0), dr.get(k, 0), f"{d:+d}"] for d, k in largest_differences(st, dr, top) if d]
     return {"title": f"{sample['case']}: kernels per step, drop-in against stock",
             "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
             "note": f"the {top} largest differences in one profiled step"}
@@ -221,9 +220,8 @@ def kernel_time_table(sample: dict, top: int = 12) -> list[dict]:
     st, dr = sample["profile"]["stock"].get("busy_by"), sample["profile"]["dropin"].get("busy_by")
     if st is None or dr is None:
         return []
-    deltas = sorted(((dr.get(k, 0.0) - st.get(k, 0.0), k) for k in set(st) | set(dr)),
-                    key=lambda d: (-abs(d[0]), d[1]))
-    rows = [[k[:90], f"{st.get(k, 0.0):.2f}", f"{dr.get(k, 0.0):.2f}", f"{d:+.2f}"] for d, k in deltas[:top]]
+    rows = [[k[:90], f"{st.get(k, 0.0):.2f}", f"{dr.get(k, 0.0):.2f}", f"{d:+.2f}"]
+            for d, k in largest_differences(st, dr, top)]
     total = sum(dr.values()) - sum(st.values())
     return [{"title": f"{sample['case']}: GPU time per kernel (ms per step), drop-in against stock",
              "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
