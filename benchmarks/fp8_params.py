@@ -160,24 +160,26 @@ def step_times(recipe_name: str, timed: int) -> dict[str, list[float]]:
 
 
 def step_task_seconds(recipe_name: str, calls: int = 200) -> tuple[float, int]:
-    """Seconds one optimizer step's freshness task takes for the drop-in
-    model (TE's ``_reset_caches`` and transpose kernel per quantized weight,
-    synchronized), and how many weights it remade: what D12 adds to a step."""
+    """Seconds the binding's optimizer-step hook takes for the drop-in model
+    (TE's ``_reset_caches`` and transpose kernel per quantized weight,
+    synchronized), timed through a ``torch.optim`` optimizer that holds the
+    model's parameters and updates none of them (no gradients); and how
+    many per-tensor FP8 weights the model has: what D12 adds to a step."""
     import torch
 
-    from te_integration.runtime import _freshness
     from testbed.recipes import make_recipe
 
     recipe, target = make_recipe(recipe_name), teacher()
     trainer = Trainer("dropin", recipe)
     for s in range(3):
         trainer.step(*batch(s, target))
-    modules = [m for m in trainer.model.modules() if any(True for _ in m.parameters(recurse=False))]
-    weights = sum(1 for m in modules for p in m.parameters(recurse=False) if _freshness.is_per_tensor(p))
+    params = list(trainer.model.parameters())
+    weights = sum(1 for p in params if hasattr(p, "_transpose_invalid"))
+    idle = torch.optim.SGD(params, lr=0.0)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
-        _freshness._refresh_tracked(modules)
+        idle.step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls, weights
 

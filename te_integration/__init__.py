@@ -24,7 +24,7 @@ from .runtime._levers import Levers
 from .runtime._state import ModuleWorkspaceState
 from .runtime._foreign_patches import ForeignPatchError
 from .runtime._attribution import WorkspaceRecording, record_workspaces, workspace_report
-from .runtime._step_hook import release_step_caches
+from .runtime._model import release_step_caches
 from .runtime._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
 from .runtime._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
 from .runtime._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget

@@ -33,7 +33,14 @@ from ._errors import (
 )
 from ._explain import ModuleKindEntry, register_module_kind, registered_module_kinds
 from ._hints import install_hint
-from ._fsdp2 import ShardingProbe, detect_fsdp2_sharding, fsdp2_gathered_parameters, probe_fsdp2_sharding
+from ._fsdp2 import (
+    FSDP2Parameter,
+    ShardingProbe,
+    detect_fsdp2_sharding,
+    fsdp2_gathered_parameters,
+    fsdp2_parameters,
+    probe_fsdp2_sharding,
+)
 from .attribution import (
     Lifetime,
     LiveWorkspace,
@@ -122,6 +129,8 @@ __all__ = [
     # detection
     "detect_fsdp2_sharding",
     "fsdp2_gathered_parameters",
+    "fsdp2_parameters",
+    "FSDP2Parameter",
     "probe_fsdp2_sharding",
     "ShardingProbe",
     # quantizer registry and TE profiles

@@ -33,7 +33,7 @@ from ._saved_tensors import save_columnwise_only
 
 __all__ = ["seam_function"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 def seam_function(spec: FunctionSeam) -> type:
@@ -52,7 +52,7 @@ def seam_function(spec: FunctionSeam) -> type:
             out = te_method(ctx, *args)
             if ctx is not None:
                 ctx._te_wm_backward = None
-                if _LEDGER.enabled:
+                if _RECORDINGS:
                     _attribution.tag(ctx, _attribution.current_module())
             return out
         record, args = started
@@ -71,12 +71,12 @@ def seam_function(spec: FunctionSeam) -> type:
                 ACTIVE.record = record.previous
         if ctx is not None:
             edit_ctx(ctx, record, args)
-            if _LEDGER.enabled:
+            if _RECORDINGS:
                 _attribution.tag(ctx, record.module)
         return out
 
     def backward(ctx, *grads):
-        if ctx._te_wm_backward is None and not _LEDGER.enabled:
+        if ctx._te_wm_backward is None and not _RECORDINGS:
             return backwards["backward"](ctx, *grads)
         return run_backward(ctx, backwards["backward"], grads)
 

@@ -67,11 +67,10 @@ class ManagedOp(ManagedCommon):
 
     _wm_kind: ClassVar[ModuleKind]
     _wm_state: ModuleWorkspaceState | None = None
-    _wm_installed: bool = False
 
     def pre_fuser_forward(self, *, requires_grad: bool) -> None:
-        if not self._wm_installed or not _install.INSTALLED:
+        state = self._wm_state
+        if state is None or not state.installed or not _install.INSTALLED:
             _install.install()
-            state_of(self)
-            self.__dict__["_wm_installed"] = True
+            state_of(self).installed = True
         super().pre_fuser_forward(requires_grad=requires_grad)

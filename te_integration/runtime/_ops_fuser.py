@@ -36,7 +36,7 @@ from ._state import state_of
 
 __all__ = ["FUSER_SEAM", "fuser_seams"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 def _open(fuser) -> list:
@@ -80,14 +80,14 @@ def _fuser_forward(func_ctx, input_, fuser, *args):
         ACTIVE.record = below
     if func_ctx is not None:
         _edit_ctxs(func_ctx, opened)
-        if _LEDGER.enabled:
+        if _RECORDINGS:
             _attribution.tag(func_ctx, opened[0][1].module)
     return out
 
 
 def _fuser_backward(func_ctx, *grads):
     te_backward = te_ops.FuserFunction.backward
-    if getattr(func_ctx, "_te_wm_backward", None) is None and not _LEDGER.enabled:
+    if getattr(func_ctx, "_te_wm_backward", None) is None and not _RECORDINGS:
         return te_backward(func_ctx, *grads)
     return run_backward(func_ctx, te_backward, grads)
 

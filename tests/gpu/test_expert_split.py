@@ -14,6 +14,8 @@ per-expert ``quantize`` instead.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -128,7 +130,7 @@ def test_delayed_experts_quantized_at_once_hold_what_each_alone_holds(usage):
     rowwise, columnwise = usage != "columnwise", usage != "rowwise"
     weights = [torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(EXPERTS)]
     ours, alone = _delayed_quantizers(7), _delayed_quantizers(7)
-    outs = quantize_experts(ours, weights, rowwise, columnwise)
+    outs = quantize_experts(SimpleNamespace(alike=None), ours, weights, rowwise, columnwise)
     assert outs is not None, "quantize_experts declined delayed scaling's experts"
     for out, weight, quantizer, mine in zip(outs, weights, alone, ours):
         quantizer.set_usage(rowwise=True, columnwise=True)

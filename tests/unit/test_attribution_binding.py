@@ -66,7 +66,7 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ws, attribution, owner):
         ctx.ws, ctx.attribution = ws, attribution
-        if attribution.LEDGER.enabled:
+        if attribution.ACTIVE_RECORDINGS:
             attribution.tag(ctx, owner)
         return x @ weight.t()
 
@@ -95,7 +95,7 @@ class ToyLinear(_TELinear):
     def forward(self, x):
         q = Float8PerTensorQuantizer().quantize(self.weight, rowwise=True, columnwise=True)
         ws = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise, columnwise=q.columnwise)
-        if self.attribution.LEDGER.enabled:  # what the quantize_weight seam does
+        if self.attribution.ACTIVE_RECORDINGS:  # what the quantize_weight seam does
             if self.managed:
                 self.attribution.forward_workspace(self, "weight", _plan(), ws, from_cache=False)
             else:
@@ -137,13 +137,14 @@ def test_saved_workspaces_carry_their_plan_and_a_leak_is_a_leftover(attribution)
     with attribution.record_workspaces(model, timeline=False) as rec:
         _train_one_step(model)
     assert rec.timeline == []
-    report = attribution.workspace_report(model)
+    assert attribution.workspace_report(model).leftovers == ()  # a report of its own sees no seam
+    report = rec.report()  # the recording's: what its seams saw, after the block too
     (left,) = report.leftovers
     assert left.record.module == "0" and left.record.weight == "weight"
     assert left.record.kind is WorkspaceKind.SAVED_FOR_BACKWARD and left.record.lifetime is Lifetime.BACKWARD
     assert left.nbytes == WS_BYTES and "cache=" in left.record.decision
     kept.clear()
-    assert attribution.workspace_report(model).leftovers == ()
+    assert rec.report().leftovers == ()
 
 
 def test_stock_modules_are_observed_without_a_plan(attribution):
@@ -152,7 +153,7 @@ def test_stock_modules_are_observed_without_a_plan(attribution):
     with attribution.record_workspaces(model) as rec:
         _train_one_step(model)
     assert [p.total for p in rec.timeline][:2] == [0, WS_BYTES]
-    (entry,) = attribution.workspace_report(model).entries
+    (entry,) = rec.report().entries
     assert entry.record.kind is WorkspaceKind.UNPLANNED and entry.record.lifetime is Lifetime.UNPLANNED
     assert entry.record.weight == "weight" and not entry.leftover  # no plan, so nothing to hold it to
 
@@ -166,7 +167,7 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
     state.remember(attribution.levers_module.levers_from_plan("weight", ctx, _plan()))
     layer.__dict__["_wm_state"] = state
     model = torch.nn.Sequential(layer)
-    assert not attribution.LEDGER.enabled
+    assert not attribution.ACTIVE_RECORDINGS
     (entry,) = attribution.workspace_report(model).entries
     assert entry.record.kind is WorkspaceKind.CACHED and entry.nbytes == 32 * 16 + 4
     assert entry.record.lifetime is Lifetime.KEPT
@@ -178,11 +179,11 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
 def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
     model = torch.nn.Sequential(ToyLinear(attribution, managed=True))
     with attribution.record_workspaces(model):
-        assert attribution.LEDGER.enabled
+        assert attribution.ACTIVE_RECORDINGS
         with pytest.raises(RuntimeError, match="already active"):
             with attribution.record_workspaces(model):
                 pass
-    assert not attribution.LEDGER.enabled
+    assert not attribution.ACTIVE_RECORDINGS
     with attribution.record_workspaces(model) as rec:  # the hooks were removed: a new block starts clean
         pass
     assert rec.timeline == []
