@@ -130,25 +130,48 @@ def backward_mark(ctx: Any, phase: str) -> None:
 
 
 # -- inspection -------------------------------------------------------------------
-def inspect_module(module: Any, ledger: WorkspaceLedger, name: str) -> None:
+def inspect_module(module: Any, ledger: WorkspaceLedger, name: str, records: list = ()) -> None:
     """Record in ``ledger`` what ``module`` (called ``name``) holds now:
-    cached workspaces and the non-parameter data of its quantized parameters."""
+    cached workspaces and the non-parameter data of its quantized
+    parameters: those it registers, and those FSDP2 keeps for it but it does
+    not register now (``records``: ``fsdp2_parameters``'s list, found once
+    per model): the shards while FSDP2 has the unsharded parameters in
+    their place, the unsharded parameters after the reshard (a prefetched
+    gather, a transpose TE kept)."""
     for key, ws in list(getattr(module, "_fp8_workspaces", {}).items()):
         plan = _plan_of(module, key)
         ledger.record(module, name, key, WorkspaceKind.CACHED, plan, ws)
+    registered = set()
     for pname, param in module.named_parameters(recurse=False):
-        local = getattr(param, "_local_tensor", param)
-        if not isinstance(local, te.QuantizedTensorStorage):
+        registered.add(id(param))
+        _record_parameter(ledger, module, name, pname, param)
+    for record in records:
+        if record.module is not module:
             continue
-        plan = _plan_of(module, pname) or _parameter_plan(module, local)
-        sharded = local is not param
-        if sharded:
-            ledger.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, local,
-                          usage=Usage.COLUMNWISE, sharded=True)
-            continue
-        if _sharding(module).is_fsdp2:
-            ledger.record(module, name, pname, WorkspaceKind.GATHERED, plan, local, usage=Usage.ROWWISE)
-        ledger.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, local, usage=Usage.COLUMNWISE)
+        for tensor in (record.sharded, record.unsharded):
+            if tensor is not None and id(tensor) not in registered:
+                _record_parameter(ledger, module, name, record.name, tensor, fsdp2=True)
+
+
+def _record_parameter(ledger: WorkspaceLedger, module: Any, name: str, pname: str, param: Any,
+                      fsdp2: bool | None = None) -> None:
+    local = getattr(param, "_local_tensor", param)
+    if not isinstance(local, te.QuantizedTensorStorage):
+        return
+    plan = _plan_of(module, pname) or _parameter_plan(module, local)
+    if local is not param:  # a shard
+        ledger.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, local,
+                      usage=Usage.COLUMNWISE, sharded=True)
+        return
+    _record_unsharded(ledger, module, name, pname, plan, local,
+                      fsdp2=_sharding(module).is_fsdp2 if fsdp2 is None else fsdp2)
+
+
+def _record_unsharded(ledger: WorkspaceLedger, module: Any, name: str, pname: str, plan: Any, tensor: Any, *,
+                      fsdp2: bool) -> None:
+    if fsdp2:  # its rowwise data is FSDP2's all-gather output
+        ledger.record(module, name, pname, WorkspaceKind.GATHERED, plan, tensor, usage=Usage.ROWWISE)
+    ledger.record(module, name, pname, WorkspaceKind.PARAMETER_COLUMNWISE, plan, tensor, usage=Usage.COLUMNWISE)
 
 
 def _parameter_plan(module: Any, local: Any) -> Any:
@@ -191,12 +214,13 @@ def workspace_report(model: torch.nn.Module) -> WorkspaceReport:
     recording = next((r for r in map(recording_of, (m for _, m in modules)) if r is not None), None)
     # While a recording covers the model, its ledger also holds what the seams saw.
     ledger = recording.ledger if recording is not None else WorkspaceLedger(allocated=_allocated)
-    return _report(ledger, modules)
+    return _report(ledger, modules, model)
 
 
-def _report(ledger: WorkspaceLedger, modules: list[tuple[str, Any]]) -> WorkspaceReport:
+def _report(ledger: WorkspaceLedger, modules: list[tuple[str, Any]], model: torch.nn.Module) -> WorkspaceReport:
+    records = fsdp2_parameters(model)
     for fqn, module in modules:
-        inspect_module(module, ledger, fqn or type(module).__name__)
+        inspect_module(module, ledger, fqn or type(module).__name__, records)
     return WorkspaceReport(tuple(ledger.live([m for _, m in modules])))
 
 
@@ -224,8 +248,9 @@ class WorkspaceRecording:
         forward and backward boundary; call it for others, e.g. "step end")."""
         if not self.timeline_on:
             return
+        records = fsdp2_parameters(self.model)
         for m in self.modules:
-            inspect_module(m, self.ledger, self.name(m))
+            inspect_module(m, self.ledger, self.name(m), records)
         label_module = self.name(module) if module is not None else ""
         self.timeline.append(self.ledger.snapshot(label, phase, label_module, self.modules))
 
@@ -242,7 +267,7 @@ class WorkspaceRecording:
         """What the recorded model's TE modules hold now, with what the
         seams saw made while the block ran (also after it ended: a
         workspace saved for a backward and still alive is a leftover)."""
-        return _report(self.ledger, [(self.name(m), m) for m in self.modules])
+        return _report(self.ledger, [(self.name(m), m) for m in self.modules], self.model)
 
     def timeline_dicts(self) -> list[dict]:
         return [p.as_dict() for p in self.timeline]

@@ -46,7 +46,7 @@ from typing import Any
 from workspace_manager import buffers_of
 
 from ..te import _compat as te
-from ._model import live_models
+from ._model import written_drop_ins
 from ._step_hook import Step, step_task
 
 __all__ = ["HeldCopy", "held_copies", "refresh_parameter", "refresh_experts", "release_module", "is_per_tensor",
@@ -136,8 +136,8 @@ def _refresh_written(step: Step) -> None:
     exists between steps, and the parameter keeps the usages its plan says,
     ``parameter_keeps``). TE's transpose kernel writes into the existing
     buffer: no memory moves."""
-    for model in live_models():
-        for module in model.written(step):
+    for _, written in written_drop_ins(step):
+        for module in written:
             state = module._wm_state
             if state.holds_quantized:
                 _refresh_parameters(module, state.writes)

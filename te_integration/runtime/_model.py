@@ -31,7 +31,8 @@ import torch
 
 from ._step_hook import Step, step_task
 
-__all__ = ["ModelWorkspaceState", "model_state", "model_for_root", "live_models", "release_step_caches"]
+__all__ = ["ModelWorkspaceState", "model_state", "model_for_root", "live_models", "written_drop_ins",
+           "release_step_caches"]
 
 #: Every live model state (the step hook walks them) ...
 _MODELS: weakref.WeakSet = weakref.WeakSet()
@@ -130,19 +131,28 @@ def live_models() -> list[ModelWorkspaceState]:
     return list(_MODELS)
 
 
+def written_drop_ins(step: Step) -> tuple[tuple[ModelWorkspaceState, tuple], ...]:
+    """``(model, its drop-ins the step wrote)`` of each model the step wrote,
+    found once per step for all its tasks."""
+    found = step.memo.get("written")
+    if found is None:
+        pairs = ((model, model.written(step)) for model in live_models())
+        found = step.memo["written"] = tuple((model, written) for model, written in pairs if written)
+    return found
+
+
 @step_task("weights_written")
 def _weights_written(step: Step) -> None:
     """The step wrote these drop-ins' parameters: their copies count as old."""
-    for model in live_models():
-        for module in model.written(step):
+    for _, written in written_drop_ins(step):
+        for module in written:
             module._wm_state.note_written()
 
 
 @step_task("step_caches")
 def _drop_step_caches(step: Step) -> None:
-    for model in live_models():
-        written = model.written(step)
-        if written and model._pending:
+    for model, written in written_drop_ins(step):
+        if model._pending:
             model.release_step_caches(written)
 
 

@@ -24,7 +24,7 @@ from workspace_manager import (
 )
 
 from ..te import _compat as te
-from ._model import live_models
+from ._model import written_drop_ins
 from ._state import state_of
 from ._step_hook import Step, step_task
 
@@ -75,7 +75,7 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
 
 @step_task("shard_trim")
 def _retrim_written(step: Step) -> None:
-    for model in live_models():
-        for module in model.written(step):
+    for _, written in written_drop_ins(step):
+        for module in written:
             if module._wm_state.holds_quantized:
                 trim_sharded_parameters(module, only_regrown=True)

@@ -88,7 +88,7 @@ class ModuleWorkspaceState:
         FSDP2's state at the first call); anything with ``read()``,
         ``current()``, ``stale()`` and ``is_fsdp2``, e.g. for describing a
         sharding without FSDP2, and, for FSDP2's, ``parameters(module)``
-        (FSDP2's records of the module's parameters; see :meth:`write_sources`)."""
+        (FSDP2's records of the module's parameters; see :meth:`sharded_sources`)."""
         self.kind = kind
         self._policy = policy
         #: How this module's sharding is read (see :meth:`probe`); None until the first call, or as given.
@@ -155,22 +155,19 @@ class ModuleWorkspaceState:
         """The module's weights were written: every copy made before counts as old."""
         self.writes += 1
 
-    def write_sources(self, module: Any) -> list[int] | None:
-        """The ids of the tensors an optimizer holds where it writes this
-        module's own parameters: the registered ones and, under FSDP2, the
-        sharded parameters FSDP2 gathers them from (its records). None: FSDP2
-        manages the module but its records list none of its parameters, so
-        every step counts as writing it. A probe given to describe a
-        sharding without FSDP2 (one without ``parameters``) has no sharded
-        parameters: an optimizer holds the registered ones."""
-        ids = [id(p) for p in module._parameters.values() if p is not None]
+    def sharded_sources(self, module: Any) -> list[int] | tuple | None:
+        """The ids of the sharded parameters FSDP2 gathers this module's
+        parameters from (its records; empty where FSDP2 does not manage the
+        module): an optimizer holds these, not what the module registers
+        while it holds the unsharded ones. None: FSDP2 manages the module
+        but its records list none of its parameters, so every step counts
+        as writing it. A probe given to describe a sharding without FSDP2
+        (one without ``parameters``) has no sharded parameters."""
         probe = self.probe(module)
-        if probe.is_fsdp2 and hasattr(probe, "parameters"):
-            records = probe.parameters(module)
-            if not records:
-                return None
-            ids.extend(id(record.sharded) for record in records)
-        return ids
+        if not probe.is_fsdp2 or not hasattr(probe, "parameters"):
+            return ()
+        records = probe.parameters(module)
+        return [id(record.sharded) for record in records] if records else None
 
     # -- sharding -----------------------------------------------------------------
     def sharding(self, module: Any) -> Sharding:

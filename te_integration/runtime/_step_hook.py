@@ -17,7 +17,7 @@ read, a step counts as writing more, never less:
   FSDP2 record names, wrote every module of every model
   (:attr:`Step.everything`);
 * a drop-in FSDP2 manages whose parameters FSDP2's records do not list
-  is written by every step (``ModuleWorkspaceState.write_sources``).
+  is written by every step (``ModuleWorkspaceState.sharded_sources``).
 
 The tasks run in the order :data:`ORDER` declares, whatever order their
 modules were imported in: each module registers its task under its name
@@ -91,7 +91,7 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 class Step:
     """One optimizer step: which parameters it wrote (see the module docstring)."""
 
-    __slots__ = ("ids", "everything", "why", "_written")
+    __slots__ = ("ids", "everything", "why", "_written", "memo")
 
     def __init__(self, ids: frozenset[int], everything: bool = False, why: str = "") -> None:
         #: The ids of the parameters the step wrote.
@@ -101,6 +101,8 @@ class Step:
         #: Why :attr:`everything` is set.
         self.why = why
         self._written: dict[int, tuple] = {}
+        #: What the tasks find once for the step and share (``_model.written_drop_ins``).
+        self.memo: dict[str, Any] = {}
 
     @classmethod
     def of(cls, optimizer: Any) -> Step:
@@ -109,8 +111,18 @@ class Step:
         return cls(ids, everything=ids is None, why=why)
 
     def wrote(self, module: Any) -> bool:
-        """Whether the step wrote one of drop-in ``module``'s own parameters."""
-        return self.everything or self.wrote_any(module._wm_state.write_sources(module))
+        """Whether the step wrote one of drop-in ``module``'s own parameters:
+        a registered one, or (under FSDP2) the sharded one FSDP2 gathers it
+        from (``ModuleWorkspaceState.sharded_sources``). Run for every drop-in
+        at every step, so the common answers cost no call."""
+        if self.everything:
+            return True
+        ids = self.ids
+        for param in module._parameters.values():
+            if id(param) in ids:
+                return True
+        sharded = module._wm_state.sharded_sources(module)
+        return sharded is None or not ids.isdisjoint(sharded)
 
     def wrote_any(self, sources: Iterable[int] | None) -> bool:
         """Whether the step wrote one of the tensors with these ids (None:

@@ -215,3 +215,33 @@ def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
         assert entry.record.decision.startswith("cache=bypass")
     finally:
         default_registry.unregister(Float8PerTensorQuantizer)
+
+
+def test_fsdp2s_parameters_the_module_does_not_register_now_are_inspected(attribution):
+    """While FSDP2 has a module's unsharded parameter in the shard's place (a
+    forward, a kept gather), the shard's columnwise copy still holds bytes,
+    and after the reshard the unsharded parameter's may: both are found
+    through FSDP2's records of the module's parameters."""
+    from types import SimpleNamespace
+
+    from workspace_manager import Usage
+
+    q = Float8PerTensorQuantizer()
+
+    def quantized(rows: int):
+        w = q.quantize(torch.randn(rows, 16), rowwise=True, columnwise=True)
+        return QWeight(shape=w.shape, scale=w.scale, rowwise=w.rowwise, columnwise=w.columnwise)
+
+    # A shard of 8 rows (its own copy), the unsharded parameter of 32, another module's parameter.
+    shard, unsharded, other = SimpleNamespace(_local_tensor=quantized(8)), quantized(32), quantized(32)
+    layer = ToyLinear(attribution, managed=False)
+    del layer.weight
+    layer.register_parameter("weight", None)
+    records = [SimpleNamespace(module=layer, name="weight", sharded=shard, unsharded=unsharded),
+               SimpleNamespace(module=torch.nn.Linear(2, 2), name="weight", sharded=None, unsharded=other)]
+    ledger = attribution.WorkspaceLedger()
+    attribution.inspect_module(layer, ledger, "0", records)
+    found = sorted((e.record.kind.value, e.usage.label, e.nbytes) for e in ledger.live([layer]))
+    assert found == sorted([(WorkspaceKind.GATHERED.value, Usage.ROWWISE.label, 32 * 16 + 4),
+                            (WorkspaceKind.PARAMETER_COLUMNWISE.value, Usage.COLUMNWISE.label, 32 * 16),
+                            (WorkspaceKind.PARAMETER_COLUMNWISE.value, Usage.COLUMNWISE.label, 8 * 16)])
