@@ -463,6 +463,14 @@ def test_step_time_pins_an_option_on_the_drop_in_and_wants_two_percent_from_it()
         assert row["ok"] is expected and "fsdp2_microbatch_cache pinned" in row["note"], (ratio, row)
 
 
+def test_step_time_reports_the_step_peak_beside_the_time_of_a_pinned_option():
+    base = [100.0 + i % 5 for i in range(12)]
+    sample = {**_paired_sample("c", base, base, base), "policy": "keep_for_backward",
+              "step_peak_mib": {"stock": 500.0, "dropin": 640.0, "stock_again": 500.0}}
+    [peak] = [r for r in step_time.case_rows("c", sample) if r["metric"].startswith("step peak")]
+    assert (peak["stock"], peak["dropin"], peak["ratio"], peak["ok"]) == (500.0, 640.0, 1.28, None)
+
+
 def test_step_time_refuses_a_policy_that_does_not_plan_fsdp2(capsys):
     with pytest.raises(SystemExit):
         step_time.parse(["--policy", "lean"])
