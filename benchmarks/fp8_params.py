@@ -14,9 +14,10 @@ transpose removed, ``testbed.freshness.reference_reset``), the drop-in
 
 Rows: the drop-in's loss curve equals the reference's bit for bit; final
 losses; then step time, the drop-in against stock with a stock-again
-control, the models stepping in turn; and the drop-in's step task alone
-(what the fix costs: one FP8 transpose per weight per step), timed over
-200 calls. ``series``: the loss per step, which
+control, the models stepping in turn; and the work of the drop-in's step
+task alone (what the fix costs: TE's ``_reset_caches()`` and one FP8
+transpose per weight per step, made here by ``testbed.freshness.reference_reset``
+on the drop-in's weights), timed over 200 calls. ``series``: the loss per step, which
 ``python3 -m benchmarks.plot`` draws.
 """
 
@@ -29,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from . import _harness as h
+from ._runner import save
 
 NAME = "fp8_params"
 RECIPES = ("DelayedScaling", "Float8CurrentScaling")
@@ -42,8 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=h.positive_int, help="training steps per variant (default 300)")
     p.add_argument("--timed", type=h.positive_int, help="timed steps per model, in turn (default 100)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one step of stock and of the drop-in under cProfile (tables of added calls "
-                        "and own host time per function)")
+                   help="also profile one step of stock and of the drop-in under cProfile (the functions whose "
+                        "call counts differ)")
     return p
 
 
@@ -196,7 +198,7 @@ def profile_tables(recipe_name: str) -> list[dict]:
     extra host time goes."""
     from testbed.recipes import make_recipe
 
-    from ._profile import added_calls_table, own_time_table, profile_step
+    from ._profile import differences_table, profile_step
 
     recipe, target = make_recipe(recipe_name), teacher()
     trainers = {v: Trainer(v, recipe) for v in ("stock", "dropin")}
@@ -207,10 +209,8 @@ def profile_tables(recipe_name: str) -> list[dict]:
     # The drop-in first, straight after its own warm-up step.
     got = {v: profile_step(lambda t=trainers[v]: t.step(x, y)) for v in ("dropin", "stock")}
     case = f"{recipe_name}, FP8 params + FusedAdam"
-    return [added_calls_table(f"Where the host time goes: {case}, one step", got["stock"]["calls"],
-                              got["dropin"]["calls"]),
-            own_time_table(f"Own host time per function: {case}, one step", got["stock"]["own_by"],
-                           got["dropin"]["own_by"])]
+    return [differences_table(f"Where the host time goes: {case}, one step", got["stock"]["calls"],
+                              got["dropin"]["calls"], what="Python-level calls")]
 
 
 def rows_for(recipe_name: str, losses: dict, times: dict, task: tuple[float, int]) -> list[dict]:
@@ -240,6 +240,11 @@ def series_for(recipe_name: str, losses: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fp8_params needs a CUDA GPU and TransformerEngine 2.20.x; nothing measured.")
+        return 2
     result = h.new_result(NAME, h.config_of(args, width=WIDTH, layers=LAYERS, batch=BATCH, lr=LR))
     start = time.perf_counter()
     for recipe_name in args.recipes:
@@ -255,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{losses['reference'][-1]:.4f}, drop-in {losses['dropin'][-1]:.4f}, bf16 {losses['bf16'][-1]:.4f}",
                   flush=True)
     result["wall_s"] = time.perf_counter() - start
-    json_path, md_path = h.write_result(result, args.out, args.tag)
-    print(f"wrote {json_path} and {md_path}")
+    save(result, args.out, args.tag)
     return 0 if all(r["ok"] is not False for r in result["rows"] if r["metric"] != "median step time") else 1
 
 
