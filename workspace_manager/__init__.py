@@ -59,7 +59,7 @@ from ._policy import (
     WorkspacePolicy,
 )
 from ._profiles import PROFILES, RECIPE_PROFILES, TE_QUANTIZER_PROFILES
-from ._registry import (
+from ._quantizer_registry import (
     ENTRY_POINT_GROUP,
     QuantizerRegistry,
     default_registry,

@@ -32,10 +32,6 @@ def _gloo_unavailable() -> str | None:
         return "this torch build has no torch.distributed"
     if not dist.is_gloo_available():
         return "this torch build has no gloo backend"
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return "torch.distributed.fsdp.fully_shard (FSDP2) needs torch >= 2.6"
     return None
 
 
@@ -102,3 +98,15 @@ def test_non_module_is_a_type_error(bad: object) -> None:
 def test_non_module_root_is_a_type_error() -> None:
     with pytest.raises(ContextTypeError, match="root must be a torch.nn.Module"):
         detect_fsdp2_sharding(nn.Linear(2, 2), root=torch.zeros(1))  # type: ignore[arg-type]
+
+
+def test_fsdp2_imported_by_its_older_path_is_seen() -> None:
+    """``torch.distributed._composable.fsdp`` (FSDP2's path before torch 2.6,
+    still importable) re-exports ``torch.distributed.fsdp``'s, so importing
+    it alone imports the one package the detection looks for."""
+    code = ("import sys; from torch.distributed._composable.fsdp import fully_shard; "
+            "from workspace_manager._fsdp2 import _FSDP2_PACKAGE, _fsdp2_api; "
+            "print(_FSDP2_PACKAGE in sys.modules, _fsdp2_api() is not None)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]

@@ -152,7 +152,7 @@ def test_unregistered_quantizer_fails_at_first_forward_naming_the_class(example,
     import transformer_engine.pytorch as te
 
     from workspace_manager import UnknownQuantizerError, default_registry
-    from workspace_manager._registry import qualified_name
+    from workspace_manager._quantizer_registry import qualified_name
 
     key = qualified_name(example.ExamplePerTensorFP8Quantizer)
     assert example.ExamplePerTensorFP8Quantizer in default_registry

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import workspace_manager._registry as registry_module
+import workspace_manager._quantizer_registry as registry_module
 from workspace_manager import (
     ENTRY_POINT_GROUP,
     DuplicateQuantizerError,

@@ -34,7 +34,7 @@ from .._errors import InvalidCapabilitiesError, KitArgumentError, UnknownQuantiz
 from .._explain_layout import setting_words
 from .._plan import WorkspacePlan
 from .._policy import WorkspacePolicy
-from .._registry import QuantizerRegistry, default_registry, qualified_name
+from .._quantizer_registry import QuantizerRegistry, default_registry, qualified_name
 from ._claims import claim_checks, protocol_check, sample_weights
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, QuantizerReport, describe_exception
