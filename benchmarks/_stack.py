@@ -187,21 +187,21 @@ def install_seams() -> None:
     """Install the drop-ins' seams now, so stock and drop-in models run in
     the same process state whatever the order (stock modules pass through
     them unchanged, and the quantization counter sees both)."""
-    import te_integration
+    from te_integration.debug import install_seams as install
 
-    te_integration.install_seams()
+    install()
 
 
 def seams_for(managed: bool) -> None:
     """Before a timed step or block: the seams installed for a drop-in, and
     taken out for stock TE, so stock runs TE's code untouched (timing
     benchmarks only: the quantization counter needs them installed)."""
-    import te_integration
+    from te_integration.debug import install_seams, uninstall_seams
 
     if managed:
-        te_integration.install_seams()
+        install_seams()
     else:
-        te_integration.uninstall_seams()
+        uninstall_seams()
 
 
 class Probe:

@@ -7,7 +7,7 @@ and a stock module of the same shape is the binding's Python. For each
 module kind and sm_90 recipe, three modules (stock, drop-in, stock again)
 run blocks of ``--calls`` forward+backward calls in turn, with CUDA
 synchronisation only at block ends; drift hits all three alike. Stock blocks
-run with the binding's seams taken out (``te_integration.uninstall_seams``,
+run with the binding's seams taken out (``te_integration.debug.uninstall_seams``,
 outside the timed region), so stock is TE's own code. Reported per
 call: the median over blocks of (drop-in - stock) and, as the noise floor,
 (stock again - stock). Target: at most 5 us added per call.

@@ -81,8 +81,8 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
     from dataclasses import fields
 
-    from workspace_manager import (BackwardOverride, Microbatch, WorkspaceContext, WorkspaceLedger, plan_call,
-                                   resolve_policy, select_policy)
+    from workspace_manager import BackwardOverride, Microbatch, WorkspaceContext, plan_call, resolve_policy, select_policy
+    from workspace_manager.attribution import WorkspaceLedger
 
     # A memo of plans alone, keyed by the frozen (policy, context).
     memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))

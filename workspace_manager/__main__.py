@@ -14,24 +14,16 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, decision_table, recipe_dependent
-from ._explain_layout import TextOptions, render_json, render_text
+from ._explain import POLICY_CHOICES
+from ._explain_layout import MIN_WIDTH, explain, profile_choices
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers
 #: that share a plan go under it where they do not fit beside it.
 DEFAULT_WIDTH = 80
-#: Below this the plan columns of ``--full`` do not fit.
-MIN_WIDTH = 80
 #: The status of a command that SIGPIPE stopped (128 + 13), which shells and
 #: ``set -o pipefail`` scripts expect from ``explain | head``.
 BROKEN_PIPE_STATUS = 141
-
-
-def _profile_choices() -> dict[str, object]:
-    choices = dict(PROFILES)
-    choices.update(RECIPE_PROFILES)  # recipe names are accepted as aliases
-    return choices
 
 
 def _case_insensitive(what: str, names: Iterable[str]) -> Callable[[str], str]:
@@ -83,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"only this TE recipe's weight quantizer (repeatable, any case): {', '.join(RECIPE_PROFILES)}",
     )
     explain.add_argument(
-        "--quantizer", action="append", type=_case_insensitive("quantizer", _profile_choices()), metavar="PROFILE",
+        "--quantizer", action="append", type=_case_insensitive("quantizer", profile_choices()), metavar="PROFILE",
         help="only this capability profile or recipe (repeatable, any case); default: the five TE recipes. "
         f"Profiles: {', '.join(PROFILES)}",
     )
@@ -99,32 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def selected_profiles(quantizers: list[str] | None, recipes: list[str] | None) -> list:
-    """The profiles the options name, each once, in the order first named;
-    every TE recipe's when none is named."""
-    choices = _profile_choices()
-    named = [choices[n] for n in [*(recipes or []), *(quantizers or [])]]
-    if not named:
-        return list(RECIPE_PROFILES.values())
-    return list({caps.name: caps for caps in named}.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. 'python -m workspace_manager explain')")
-    profiles = selected_profiles(args.quantizer, args.recipe)
-    policies = list(dict.fromkeys(args.policy)) if args.policy else None
-    rows = decision_table(profiles, policies, full=args.full)
-    if args.json:
-        return emit(render_json(rows) + "\n")
-    named = bool(args.recipe or args.quantizer)
-    options = TextOptions(width=args.width, why=args.why, merge=not args.full, capabilities=named)
-    hidden = None
-    if named and not args.full:  # the settings where the named quantizers' plans differ from another recipe's
-        rows, hidden = recipe_dependent(rows)
-    return emit(render_text(rows, options, hidden))
+    return emit(explain(args.policy, args.recipe, args.quantizer, full=args.full, why=args.why, width=args.width,
+                        as_json=args.json))
 
 
 def emit(text: str) -> int:

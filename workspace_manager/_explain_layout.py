@@ -12,12 +12,16 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ._context import RecomputePass, RecomputeScope, Sharding, WorkspaceContext
-from ._explain import DecisionRow, quantizer_label, recipe_names, registered_module_kinds
+from ._context import QuantizerCapabilities, RecomputePass, RecomputeScope, Sharding, WorkspaceContext
+from ._errors import UnknownProfileError, UnknownRecipeError
+from ._explain import DecisionRow, decision_table, quantizer_label, recipe_dependent, recipe_names, registered_module_kinds
 from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._profiles import PROFILES, RECIPE_PROFILES
+from ._selection import named_policy
 
-__all__ = ["setting_words", "plan_cells", "LEGEND", "legend_terms", "render_legend", "render_text", "render_json",
-           "group_settings", "SettingBlock", "setting_blocks", "TextOptions", "module_kinds_text"]
+__all__ = ["explain", "MIN_WIDTH", "profile_choices", "selected_profiles", "setting_words", "plan_cells", "LEGEND",
+           "legend_terms", "render_legend", "render_text", "render_json", "group_settings", "SettingBlock",
+           "setting_blocks", "TextOptions", "module_kinds_text"]
 
 
 def setting_words(ctx: WorkspaceContext) -> str:
@@ -450,8 +454,6 @@ _CAPABILITIES = ("columnwise_derivable", "derived_caches", "requantization_safe"
 def _profile_meaning(profile: str, capabilities: bool) -> str:
     """What a quantizer name in the table stands for; with ``capabilities``,
     the capabilities it has (the table's plans follow from them)."""
-    from ._profiles import PROFILES
-
     what = (f"TE recipe, profile {profile}" if profile in recipe_names()
             else "a profile no TE recipe selects by default")
     caps = PROFILES.get(profile)
@@ -529,3 +531,82 @@ def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions(),
     Lines are at most ``width`` wide, save a single word longer than a line."""
     texts, legend = _render(rows, options, hidden or {})
     return "\n\n".join([*texts, "\n".join(legend)]) + "\n"
+
+
+# -- explain: names in, the table out ------------------------------------------
+#: The narrowest table width: below it the plan columns of ``--full`` do not fit.
+MIN_WIDTH = 80
+
+
+def profile_choices() -> dict[str, QuantizerCapabilities]:
+    """The names ``quantizer`` accepts: every profile's, and the recipes' as aliases."""
+    return {**PROFILES, **RECIPE_PROFILES}
+
+
+def _names(what: str, given: str | Iterable[str] | None) -> list[str]:
+    """``given`` as a list of names: one name, several, or none."""
+    if given is None:
+        return []
+    names = [given] if isinstance(given, str) else list(given)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"explain: {what} must be a name or names (str); received {name!r} ({type(name).__name__})")
+    return names
+
+
+def _in_any_case(name: str, known: Mapping[str, QuantizerCapabilities], error: type[KeyError], what: str):
+    """``known``'s entry for ``name``, ignoring case; ``error`` names the choices."""
+    found = {key.lower(): value for key, value in known.items()}.get(name.lower())
+    if found is None:
+        raise error(f"{name!r} is no {what}; choose from {', '.join(known)} (any case)")
+    return found
+
+
+def selected_profiles(quantizers: Iterable[str] | None, recipes: Iterable[str] | None) -> list[QuantizerCapabilities]:
+    """The profiles the names pick (any case), each once, in the order first
+    named: the recipes, then the quantizers; every TE recipe's when none is named."""
+    named = [_in_any_case(n, RECIPE_PROFILES, UnknownRecipeError, "TE recipe") for n in recipes or []]
+    named += [_in_any_case(n, profile_choices(), UnknownProfileError, "capability profile or TE recipe")
+              for n in quantizers or []]
+    if not named:
+        return list(RECIPE_PROFILES.values())
+    return list({caps.name: caps for caps in named}.values())
+
+
+def explain(
+    policy: str | Iterable[str] | None = None,
+    recipe: str | Iterable[str] | None = None,
+    quantizer: str | Iterable[str] | None = None,
+    *,
+    full: bool = False,
+    why: bool = False,
+    width: int = 80,
+    as_json: bool = False,
+) -> str:
+    """The decision table, as ``python -m workspace_manager explain`` prints
+    it with the same options: ``policy`` (names of :data:`POLICY_NAMES`),
+    ``recipe`` (TE recipe class names) and ``quantizer`` (capability profiles
+    or recipes) narrow it, each a name or several, in any case; ``full``
+    adds the dgrad and ``backward_override`` rows and merges none; ``why``
+    prints each plan's reasons; ``width`` (at least 80) wraps the text;
+    ``as_json`` gives the rows as JSON instead. Unknown names raise
+    UnknownPolicyError, UnknownRecipeError or UnknownProfileError."""
+    policies = list(dict.fromkeys(_policy_name(n) for n in _names("policy", policy)))
+    recipes, quantizers = _names("recipe", recipe), _names("quantizer", quantizer)
+    if type(width) is not int or width < MIN_WIDTH:
+        raise ValueError(f"explain: width must be an int of at least {MIN_WIDTH} columns; received {width!r}")
+    rows = decision_table(selected_profiles(quantizers, recipes), policies or None, full=full)
+    if as_json:
+        return render_json(rows) + "\n"
+    named = bool(recipes or quantizers)
+    options = TextOptions(width=width, why=why, merge=not full, capabilities=named)
+    hidden = None
+    if named and not full:  # the settings where the named quantizers' plans differ from another recipe's
+        rows, hidden = recipe_dependent(rows)
+    return render_text(rows, options, hidden)
+
+
+def _policy_name(name: str) -> str:
+    """The shipped policy's own name for ``name`` (any case); unknown names raise."""
+    named_policy(name)  # raises UnknownPolicyError, naming the choices
+    return name.lower()

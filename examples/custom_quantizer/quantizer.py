@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workspace_manager import QuantizerCapabilities, install_hint, register_quantizer
+from workspace_manager import QuantizerCapabilities, register_quantizer
+from workspace_manager.extending import install_hint
 
 try:
     import torch

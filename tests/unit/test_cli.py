@@ -501,7 +501,8 @@ def test_the_legend_names_the_module_kinds_the_binding_registers(capsys, monkeyp
 
 
 def test_registering_a_module_kind_again_replaces_its_note_in_its_place(no_kinds):
-    from workspace_manager import ContextTypeError, ModuleKindEntry, register_module_kind, registered_module_kinds
+    from workspace_manager import ContextTypeError
+    from workspace_manager.extending import ModuleKindEntry, register_module_kind, registered_module_kinds
 
     register_module_kind("A")
     register_module_kind("B", "two weights")
@@ -530,3 +531,32 @@ def test_a_policy_shows_the_recompute_passes_it_plans_whatever_its_label():
     caps = RECIPE_PROFILES["Float8CurrentScaling"]
     assert {c.recompute for c in _contexts(Relabelled(), caps, False)} == {RecomputePass.FIRST, RecomputePass.RECOMPUTE}
     assert {c.recompute for c in _contexts(Misleading(), caps, False)} == {RecomputePass.NONE}
+
+
+def test_explain_in_python_prints_what_the_command_prints(capsys):
+    """``workspace_manager.explain`` is the command's table, from Python: the
+    same options (names in any case, one or several), the same text."""
+    from workspace_manager import explain
+
+    main(["explain", "--policy", "fsdp2", "--policy", "lean", "--recipe", "MXFP8BlockScaling", "--why", "--width", "100"])
+    assert explain(["FSDP2", "lean"], "mxfp8blockscaling", why=True, width=100) == capsys.readouterr().out
+    main(["explain", "--json", "--quantizer", "float8_block_1d", "--full"])
+    assert explain(quantizer="FLOAT8_BLOCK_1D", full=True, as_json=True) == capsys.readouterr().out
+    main(["explain"])
+    assert explain() == capsys.readouterr().out
+
+
+def test_explain_in_python_refuses_unknown_names_with_the_packages_errors():
+    from workspace_manager import UnknownPolicyError, UnknownRecipeError, explain
+    from workspace_manager.extending import UnknownProfileError
+
+    with pytest.raises(UnknownPolicyError, match="no shipped policy is named 'fsdp3'.*did you mean 'fsdp2'"):
+        explain("fsdp3")
+    with pytest.raises(UnknownRecipeError, match="'mxfp8' is no TE recipe; choose from DelayedScaling"):
+        explain(recipe="mxfp8")  # a profile's name, not a recipe's
+    with pytest.raises(UnknownProfileError, match="'fp8' is no capability profile or TE recipe; choose from "):
+        explain(quantizer="fp8")
+    with pytest.raises(TypeError, match=r"explain: recipe must be a name or names \(str\); received 3 \(int\)"):
+        explain(recipe=[3])
+    with pytest.raises(ValueError, match="width must be an int of at least 80 columns; received 79"):
+        explain(width=79)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workspace_manager import install_hint
+from workspace_manager.extending import install_hint
 
 #: Runs ``body`` in a fresh interpreter in which ``import hypothesis`` fails.
 _WITHOUT_HYPOTHESIS = "import sys; sys.modules['hypothesis'] = None\n"

@@ -9,16 +9,11 @@ import functools
 import pytest
 import torch
 
-from workspace_manager import (
-    InvalidCapabilitiesError,
-    KitArgumentError,
-    QuantizerCapabilities,
-    QuantizerRegistry,
-    UnknownQuantizerError,
-    Usage,
-)
+from workspace_manager import InvalidCapabilitiesError, QuantizerCapabilities, UnknownQuantizerError, Usage
+from workspace_manager.extending import QuantizerRegistry
 from workspace_manager.testing import (
     CheckStatus,
+    KitArgumentError,
     Freshness,
     QuantizerCheckError,
     QuantizerRuntime,
