@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ._context import QuantizerCapabilities, RecomputePass, RecomputeScope, Sharding, WorkspaceContext
 from ._errors import UnknownProfileError, UnknownRecipeError
-from ._explain import DecisionRow, decision_table, quantizer_label, recipe_dependent, recipe_names, registered_module_kinds
+from ._explain import DecisionRow, decision_table, quantizer_label, recipe_names, registered_module_kinds
 from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
 from ._profiles import PROFILES, RECIPE_PROFILES
 from ._selection import named_policy
@@ -43,11 +43,6 @@ def setting_words(ctx: WorkspaceContext) -> str:
 
 def render_json(rows: list[DecisionRow]) -> str:
     return json.dumps([r.to_dict() for r in rows], indent=1)
-
-
-def _hidden_line(count: int) -> str:
-    settings = "setting" if count == 1 else "settings"
-    return f"{count} more {settings}: every TE recipe gets the same plan (--full shows them)"
 
 
 # -- the text table ------------------------------------------------------------
@@ -352,9 +347,10 @@ def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
     return lines
 
 
-def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tuple[str, ...]) -> list[str]:
-    """The column header, then per heading its rows; the last column's
-    name is left out of the header where it does not fit."""
+def _table_lines(blocks: list[SettingBlock], width: int, why: bool,
+                 everyone: tuple[str, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """The column header, then per heading its rows; and the columns the
+    header names (the last one's name is left out where it does not fit)."""
     columns = ("", *_COLUMNS[:-1])
     widths = [len(c) for c in columns]
     for block in blocks:
@@ -362,8 +358,9 @@ def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tu
             for group in groups:
                 widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
     header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
+    shown = _COLUMNS
     if len(header) > width:
-        header = header[: -len(_COLUMNS[-1])].rstrip()
+        header, shown = header[: -len(_COLUMNS[-1])].rstrip(), _COLUMNS[:-1]
     lines = [header]  # its words are indented, the headings under it are not: no rule needed
     layout = _Layout(tuple(widths), width, why, everyone)
     for block in blocks:
@@ -371,7 +368,7 @@ def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tu
         for key, groups in block.rows:
             for i, group in enumerate(groups):
                 lines += _plan_lines(key if i == 0 else "", group, layout)
-    return lines
+    return lines, shown
 
 
 def _summary_lines(policy: str, width: int) -> list[str]:
@@ -415,10 +412,11 @@ def _and(names: list[str]) -> str:
 
 
 def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, capabilities: bool = False,
-                 all_but: bool = False) -> dict[str, dict[str, str]]:
+                 all_but: bool = False, columns: Iterable[str] = _COLUMNS) -> dict[str, dict[str, str]]:
     """The legend's paragraphs (columns, settings, cells, quantizers): term
-    -> meaning for every term the tables of ``blocks`` print, and each
-    quantizer of ``profiles``. ``all_but``: a table lists ``all but ...``."""
+    -> meaning for every term the tables of ``blocks`` print, each column
+    their headers name (``columns``), and each quantizer of ``profiles``.
+    ``all_but``: a table lists ``all but ...``."""
     settings: dict[str, None] = {}
     values: dict[str, None] = {}
     for block in blocks:
@@ -432,7 +430,7 @@ def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, cap
         values["all but"] = None
     order = list(LEGEND)  # settings and cells in the legend's order, not the tables'
     return {
-        "columns": {t: LEGEND[t] for t in _COLUMNS},
+        "columns": {t: LEGEND[t] for t in _COLUMNS if t in columns},
         "settings": {t: LEGEND[t] for t in sorted(settings, key=order.index)},
         "cells": {t: _CELL_MEANINGS.get(t, LEGEND[t]) for t in sorted(values, key=order.index)},
         "quantizers": _quantizer_terms(list(dict.fromkeys(profiles)), capabilities),
@@ -495,41 +493,34 @@ class TextOptions:
 
 def render_legend(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
     """The one legend of the tables of ``rows``: every term they print (wrapped to the width)."""
-    return "\n".join(_render(rows, options, {})[1])
+    return "\n".join(_render(rows, options)[1])
 
 
-def _render(rows: list[DecisionRow], options: TextOptions,
-            hidden: Mapping[str, int]) -> tuple[list[str], list[str]]:
+def _render(rows: list[DecisionRow], options: TextOptions) -> tuple[list[str], list[str]]:
     """(each policy's text, the legend lines of all of them)."""
     width, blocks_of = options.width, setting_blocks(rows, merge=options.merge, why=options.why)
-    texts, all_blocks, all_but = [], [], False
-    for policy in dict.fromkeys([*hidden, *blocks_of]):  # a policy whose every row is hidden too
-        blocks = blocks_of.get(policy, [])
+    texts, all_blocks, all_but, columns = [], [], False, set()
+    for policy, blocks in blocks_of.items():
         profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
         names = tuple(quantizer_label(p) for p in profiles)
-        table = _table_lines(blocks, width, options.why, names) if blocks else []
+        table, shown = _table_lines(blocks, width, options.why, names)
         all_but |= any(line.lstrip().startswith("all but ") for line in table)
-        body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]
-        if hidden.get(policy):
-            body += _wrap(_hidden_line(hidden[policy]), width, _INDENT, _INDENT)
-        texts.append("\n".join(body))
+        columns.update(shown)
+        texts.append("\n".join([f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]))
         all_blocks += blocks
     profiles = dict.fromkeys(r.context.capabilities.name for r in rows)
-    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but)
+    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but, columns=columns)
     return texts, _legend_lines(terms, width)
 
 
-def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions(),
-                hidden: Mapping[str, int] | None = None) -> str:
+def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
     """Per policy: its constructor and what it is for, keeps and trades; a
     heading per setting without its microbatch position, then a row per
     position (one ``mb:any`` row where they agree, with ``merge``): its plan
     once if every quantizer agrees, else one row per group of quantizers that
     agree, under each other. Then one legend of every term the tables use.
-    ``hidden``: per policy, how many settings :func:`recipe_dependent` left
-    out (said under its table).
     Lines are at most ``width`` wide, save a single word longer than a line."""
-    texts, legend = _render(rows, options, hidden or {})
+    texts, legend = _render(rows, options)
     return "\n\n".join([*texts, "\n".join(legend)]) + "\n"
 
 
@@ -599,11 +590,7 @@ def explain(
     if as_json:
         return render_json(rows) + "\n"
     named = bool(recipes or quantizers)
-    options = TextOptions(width=width, why=why, merge=not full, capabilities=named)
-    hidden = None
-    if named and not full:  # the settings where the named quantizers' plans differ from another recipe's
-        rows, hidden = recipe_dependent(rows)
-    return render_text(rows, options, hidden)
+    return render_text(rows, TextOptions(width=width, why=why, merge=not full, capabilities=named))
 
 
 def _policy_name(name: str) -> str:

@@ -127,7 +127,7 @@ def test_one_legend_explains_every_word_of_every_table(capsys, argv):
         assert not missing, f"{policy}: not in the legend: {sorted(missing)}"
         header = table[0].split()
         assert header[:4] == ["cache", "forward", "backward", "dgrad"] and "dgrad col" in terms
-    for term in ("hp_weight", "qparam", "mb:first", "saved_ws", "quantizers") if argv == ["--full"] else ():
+    for term in ("hp_weight", "qparam", "mb:first", "saved_ws") if argv == ["--full"] else ():
         assert term in terms, term
 
 
@@ -260,47 +260,41 @@ def test_one_policy_fits_one_screen(capsys):
     assert len(lines) <= 40 and max(map(len, lines)) <= 80
 
 
-def test_recipe_shows_only_the_settings_that_depend_on_the_recipe(capsys):
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling"])
+def test_recipe_shows_the_recipes_plans(capsys):
+    """``--recipe`` narrows the table to that recipe's plans, every setting
+    of them: the rows are the recipe's own, as ``--json`` gives them."""
+    main(["explain", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
     out = capsys.readouterr().out
     table, _ = _table_and_legend(out)
     headings = [l for l in table[1:] if l and not l.startswith(" ")]
-    # high-precision weights get one plan whatever the recipe; quantized parameters do not (derived or gathered)
-    assert headings == ["fsdp2_any train qparam", "fsdp2_any no_grad qparam"]
-    assert "  4 more settings: every TE recipe gets the same plan (--full shows them)" in table
-    assert "MXFP8BlockScaling" not in out and "all but" not in out  # the named recipe's plans only
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--full"])
-    assert "fsdp2_reshard train hp_weight" in capsys.readouterr().out
+    assert headings == ["unsharded train hp_weight", "unsharded no_grad hp_weight", "unsharded train qparam",
+                        "unsharded no_grad qparam"]
+    at = table.index("unsharded train hp_weight")
+    assert [l.split() for l in table[at + 1:at + 4]] == [
+        ["mb:none", "bypass", "row+col", "saved_ws:col", "fwd", "-", "-"],
+        ["mb:first", "fill", "row+col", "saved_ws:col", "fwd", "-", "-"],
+        ["mb:later", "reuse", "row+col", "saved_ws:col", "fwd", "-", "-"]]
+    assert "more setting" not in out and "MXFP8BlockScaling" not in out
+    main(["explain", "--json", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
+    rows = json.loads(capsys.readouterr().out)
+    cached = [r for r in rows if r["context"]["microbatch"] == "later" and r["context"]["grad_enabled"]
+              and r["context"]["weight"] == "high_precision"]
+    assert [r["plan"]["cache"] for r in cached] == ["reuse"]
+    # every policy shows the recipe's plans, also where every recipe gets the same ones
+    main(["explain", "--recipe", "Float8CurrentScaling"])
+    blocks, _ = _parse(capsys.readouterr().out)
+    assert list(blocks) == list(POLICY_CHOICES) and all(len(table) > 2 for _, table in blocks.values())
 
 
-def test_recipe_dependent_keeps_exactly_the_settings_whose_plans_differ():
-    from workspace_manager._explain import decision_table, recipe_dependent
-    from workspace_manager._explain_layout import setting_words
-
-    def heading(row) -> tuple[str, str]:  # (policy, setting without its microbatch position)
-        return row.policy, " ".join(w for w in setting_words(row.context).split() if not w.startswith("mb:"))
-
-    every = decision_table(list(RECIPE_PROFILES.values()))
-    plans: dict[tuple[str, str], set] = {}
-    for row in every:
-        plans.setdefault(heading(row), set()).add((setting_words(row.context), row.plan))
-    named = [r for r in every if r.context.capabilities is RECIPE_PROFILES["Float8CurrentScaling"]]
-    kept, hidden = recipe_dependent(named)
-    differ = {key for key, found in plans.items() if len(found) > len({s for s, _ in found})}
-    assert kept and {heading(r) for r in kept} == differ
-    # a shown setting keeps all its microbatch positions, and only the named recipe's rows
-    assert kept == [r for r in named if heading(r) in differ]
-    assert list(hidden) == list(POLICY_CHOICES)
-    assert sum(hidden.values()) == len(plans) - len(differ) and hidden["fsdp2"] == 4
-
-
-def test_a_policy_whose_settings_all_agree_says_so(capsys):
-    main(["explain", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
-    out = capsys.readouterr().out
-    blocks, _ = _parse(out)
-    summary, table = blocks["plain"]
-    assert summary[0] == "  WorkspacePolicy()" and table == [
-        "  4 more settings: every TE recipe gets the same plan (--full shows them)"]
+@pytest.mark.parametrize("argv", [[], ["--width", "200"], ["--recipe", "MXFP8BlockScaling"],
+                                  ["--recipe", "MXFP8BlockScaling", "--width", "200"]])
+def test_the_legend_describes_the_columns_the_headers_show_and_no_other(capsys, argv):
+    main(["explain", "--policy", "fsdp2", *argv])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    columns = ["cache", "forward", "backward", "dgrad col", "release", "param", "quantizers"]
+    shown = [c for c in columns if c in table[0]]
+    assert shown[:6] == columns[:6]
+    assert [c for c in columns if c in terms] == shown
 
 
 def test_each_policy_opens_with_its_constructor_and_summary(capsys):
