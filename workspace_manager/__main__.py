@@ -19,7 +19,7 @@ from ._explain_layout import MIN_WIDTH, explain, profile_choices
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers
-#: that share a plan go under it where they do not fit beside it.
+#: that share a plan go on a line above it where they do not fit beside it.
 DEFAULT_WIDTH = 80
 #: The status of a command that SIGPIPE stopped (128 + 13), which shells and
 #: ``set -o pipefail`` scripts expect from ``explain | head``.

@@ -103,6 +103,7 @@ LEGEND: dict[str, str] = {
     "release": "freed after backward",
     "param": "what a quantized parameter keeps",
     "quantizers": "those sharing the plan (blank: all)",
+    "for": "the quantizers of the row below (none: all)",
     # cell values
     "bypass": "not cached",
     "fill": "quantize and store in the cache",
@@ -309,12 +310,15 @@ def setting_blocks(
 @dataclass(frozen=True)
 class _Layout:
     """The columns' widths, the line width, whether reasons are printed,
-    and the quantizers of the policy's table (for ``all but ...``)."""
+    the quantizers of the policy's table (for ``all but ...``) and whether
+    the table has a quantizers column (else a row's quantizers go on a
+    ``for ...:`` line above it)."""
 
     widths: tuple[int, ...]
     width: int
     why: bool
     everyone: tuple[str, ...]
+    column: bool = True
 
 
 def _quantizers(names: tuple[str, ...], room: int, everyone: tuple[str, ...]) -> str:
@@ -327,20 +331,33 @@ def _quantizers(names: tuple[str, ...], room: int, everyone: tuple[str, ...]) ->
     return "all but " + ", ".join(others)
 
 
-def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
-    """A row: its key, the plan's cells and, beside them or under them where
-    they do not fit, the quantizers that share it (none where all do)."""
-    width = layout.width
+def _row_head(key: str, group: _Group, layout: _Layout) -> str:
+    """A row's key and plan cells, padded to the columns, up to the quantizers column."""
     cells = (key, *plan_cells(group.plan))
-    head = _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, layout.widths)) + "  "
-    under = _INDENT * 3
+    return _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, layout.widths)) + "  "
+
+
+def _fits_beside(key: str, group: _Group, layout: _Layout) -> bool:
+    """Whether the quantizers of a row fit beside its cells (a name per line at worst)."""
+    names = _quantizers(group.names, layout.width - len(_INDENT) * 3, layout.everyone)
+    return len(_row_head(key, group, layout)) + max(len(n) for n in names.split(", ")) + ("," in names) <= layout.width
+
+
+def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
+    """A row: its key, the plan's cells and the quantizers that share it
+    (none where all do): beside the cells in the quantizers column, else on
+    a line of their own above the row, ``for ...:``, which says whose row
+    follows (below a row it would read as the next row's heading)."""
+    width = layout.width
+    head, under = _row_head(key, group, layout), _INDENT * 3
     names = _quantizers(group.names, width - len(under), layout.everyone)
     if group.names == ("all",):
         lines = [head.rstrip()]
-    elif len(head) + max(len(n) for n in names.split(", ")) + ("," in names) <= width:
+    elif layout.column and _fits_beside(key, group, layout):
         lines = _wrap(names, width, head, " " * len(head), sep=", ")
-    else:  # no room beside the plan: the quantizers go below it
-        lines = [head.rstrip()] + _wrap(names, width, under, under, sep=", ")
+    else:
+        at = " " * (len(_INDENT) + layout.widths[0] + 2)  # where the cells start
+        lines = [*_wrap(f"for {names}:", width, at, at + _INDENT * 2, sep=", "), head.rstrip()]
     if layout.why:
         for note in group.notes:
             lines += _wrap(f"why: {note}", width, under, under + "     ")
@@ -350,25 +367,27 @@ def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
 def _table_lines(blocks: list[SettingBlock], width: int, why: bool,
                  everyone: tuple[str, ...]) -> tuple[list[str], tuple[str, ...]]:
     """The column header, then per heading its rows; and the columns the
-    header names (the last one's name is left out where it does not fit)."""
+    header names. The quantizers column is there where its name fits and
+    some row's quantizers fit beside it; otherwise rows name their
+    quantizers on a ``for ...:`` line above them."""
     columns = ("", *_COLUMNS[:-1])
     widths = [len(c) for c in columns]
-    for block in blocks:
-        for key, groups in block.rows:
-            for group in groups:
-                widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
-    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
-    shown = _COLUMNS
-    if len(header) > width:
-        header, shown = header[: -len(_COLUMNS[-1])].rstrip(), _COLUMNS[:-1]
-    lines = [header]  # its words are indented, the headings under it are not: no rule needed
+    rows = [(key if i == 0 else "", group) for block in blocks for key, groups in block.rows
+            for i, group in enumerate(groups)]
+    for key, group in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
+    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     layout = _Layout(tuple(widths), width, why, everyone)
+    column = len(header) + 2 + len(_COLUMNS[-1]) <= width and any(
+        g.names != ("all",) and _fits_beside(k, g, layout) for k, g in rows)
+    layout = _Layout(tuple(widths), width, why, everyone, column)
+    lines = [header + "  " + _COLUMNS[-1] if column else header.rstrip()]  # indented words: no rule needed
     for block in blocks:
         lines += _wrap(block.heading, width, "", _INDENT)
         for key, groups in block.rows:
             for i, group in enumerate(groups):
                 lines += _plan_lines(key if i == 0 else "", group, layout)
-    return lines, shown
+    return lines, _COLUMNS if column else _COLUMNS[:-1]
 
 
 def _summary_lines(policy: str, width: int) -> list[str]:
@@ -412,11 +431,13 @@ def _and(names: list[str]) -> str:
 
 
 def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, capabilities: bool = False,
-                 all_but: bool = False, columns: Iterable[str] = _COLUMNS) -> dict[str, dict[str, str]]:
+                 all_but: bool = False, columns: Iterable[str] = _COLUMNS,
+                 above: bool = False) -> dict[str, dict[str, str]]:
     """The legend's paragraphs (columns, settings, cells, quantizers): term
     -> meaning for every term the tables of ``blocks`` print, each column
     their headers name (``columns``), and each quantizer of ``profiles``.
-    ``all_but``: a table lists ``all but ...``."""
+    ``all_but``: a table lists ``all but ...``; ``above``: a row's
+    quantizers on a ``for ...:`` line above it."""
     settings: dict[str, None] = {}
     values: dict[str, None] = {}
     for block in blocks:
@@ -430,7 +451,7 @@ def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, cap
         values["all but"] = None
     order = list(LEGEND)  # settings and cells in the legend's order, not the tables'
     return {
-        "columns": {t: LEGEND[t] for t in _COLUMNS if t in columns},
+        "columns": {t: LEGEND[t] for t in (*_COLUMNS, "for") if t in columns or (t == "for" and above)},
         "settings": {t: LEGEND[t] for t in sorted(settings, key=order.index)},
         "cells": {t: _CELL_MEANINGS.get(t, LEGEND[t]) for t in sorted(values, key=order.index)},
         "quantizers": _quantizer_terms(list(dict.fromkeys(profiles)), capabilities),
@@ -499,17 +520,19 @@ def render_legend(rows: list[DecisionRow], options: TextOptions = TextOptions())
 def _render(rows: list[DecisionRow], options: TextOptions) -> tuple[list[str], list[str]]:
     """(each policy's text, the legend lines of all of them)."""
     width, blocks_of = options.width, setting_blocks(rows, merge=options.merge, why=options.why)
-    texts, all_blocks, all_but, columns = [], [], False, set()
+    texts, all_blocks, all_but, above, columns = [], [], False, False, set()
     for policy, blocks in blocks_of.items():
         profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
         names = tuple(quantizer_label(p) for p in profiles)
         table, shown = _table_lines(blocks, width, options.why, names)
-        all_but |= any(line.lstrip().startswith("all but ") for line in table)
+        all_but |= any(line.lstrip().startswith(("all but ", "for all but ")) for line in table)
+        above |= any(line.lstrip().startswith("for ") and line.endswith(":") for line in table)
         columns.update(shown)
         texts.append("\n".join([f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]))
         all_blocks += blocks
     profiles = dict.fromkeys(r.context.capabilities.name for r in rows)
-    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but, columns=columns)
+    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but, columns=columns,
+                         above=above)
     return texts, _legend_lines(terms, width)
 
 

@@ -315,10 +315,55 @@ def test_each_policy_opens_with_its_constructor_and_summary(capsys):
 def test_the_longest_list_of_quantizers_names_the_others(capsys):
     main(["explain", "--policy", "lean"])
     table, terms = _table_and_legend(capsys.readouterr().out)
-    assert "      all but DelayedScaling" in table and "all but" in terms
+    assert any(l.strip() == "for all but DelayedScaling:" for l in table) and "all but" in terms
     main(["explain", "--policy", "lean", "--width", "200"])
     table, terms = _table_and_legend(capsys.readouterr().out)
     assert not any("all but" in l for l in table) and "all but" not in terms
+
+
+def _labelled_rows(table: list[str]) -> list[tuple[str, list[str]]]:
+    """(the quantizers a ``for ...:`` line names, the cells of the row after it)."""
+    out = []
+    for at, line in enumerate(table):
+        if line.strip().startswith("for ") and line.endswith(":"):
+            out.append((line.strip()[4:-1], table[at + 1].split()[-6:]))
+    return out
+
+
+def test_a_rows_quantizers_stand_on_a_line_above_it_that_says_so_where_they_do_not_fit_beside(capsys):
+    """At 80 columns the quantizers do not fit beside the plans: each group
+    of quantizers is named on a ``for ...:`` line right above its row (not
+    under it, where it read as the heading of the next row), the table has
+    no quantizers column and the legend describes none; at 200 columns they
+    stand beside their rows, under the column's name."""
+    main(["explain", "--policy", "fsdp2"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    at = table.index("fsdp2_any train qparam")
+    assert table[at + 1:at + 5] == [
+        "          for all but MXFP8BlockScaling:",
+        "  mb:any  bypass  row      saved_param:col  derived    derived_col  row",
+        "          for MXFP8BlockScaling:",
+        "          bypass  row      saved_param:col  gathered   -            row+col"]
+    assert "quantizers" not in table[0] and "quantizers" not in terms
+    assert terms["for"] == "the quantizers of the row below (none: all)"
+    # every labelled row is the plan of the quantizers its line names, as --json says
+    main(["explain", "--json", "--policy", "fsdp2"])
+    rows = json.loads(capsys.readouterr().out)
+    qparam = {r["recipe"]: r["plan"] for r in rows if r["context"]["weight"] == "quantized_param"
+              and r["context"]["grad_enabled"] and r["context"]["microbatch"] == "none"
+              and r["context"]["sharding"] == "fsdp2_reshard"}
+    assert qparam["MXFP8BlockScaling"]["columnwise_source"] == "gathered"
+    assert {qparam[r]["columnwise_source"] for r in qparam if r != "MXFP8BlockScaling"} == {"derived"}
+    for policy in POLICY_CHOICES:
+        main(["explain", "--policy", policy])
+        table, terms = _table_and_legend(capsys.readouterr().out)
+        for names, cells in _labelled_rows(table):
+            assert len(cells) == 6 and not cells[0].startswith("for"), (policy, names, cells)
+        assert ("for" in terms) == bool(_labelled_rows(table)), policy
+    main(["explain", "--policy", "fsdp2", "--width", "200"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    assert _labelled_rows(table) == [] and table[0].endswith("quantizers") and "quantizers" in terms
+    assert table[at + 2].split()[-1] == "MXFP8BlockScaling" and "for" not in terms
 
 
 @pytest.mark.parametrize("width", [None, "80", "100", "160"])
