@@ -196,7 +196,14 @@ class QuantizerCapabilities:
     derived_caches: bool
     """The quantized tensor keeps derived data (an FP8 transpose, derived
     columnwise blocks) in memory the quantizer allocated itself. FSDP2 frees
-    only what it allocated, so such data must be cleared explicitly."""
+    only what it allocated, so such data must be cleared explicitly.
+    Accepted without ``columnwise_derivable``, on purpose: a format whose
+    directions are storages of their own, possibly of other formats (TE's
+    hybrid), derives neither direction from the other, yet one direction's
+    storage may derive and keep data of its own; the TE binding gives a
+    hybrid its columnwise sub-quantizer's value. For other formats the two
+    claims together make FSDP2 plans clear data that never exists, and the
+    testing kit reports that it cannot check the claim."""
     requantization_safe: bool
     """Quantizing the same high-precision weight again reproduces the first
     quantization exactly (TE's ``is_requantization_safe``). False for delayed

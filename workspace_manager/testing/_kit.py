@@ -38,7 +38,7 @@ from .._quantizer_registry import QuantizerRegistry, default_registry, qualified
 from ._claims import claim_checks, protocol_check, sample_weights
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, QuantizerReport, describe_exception
-from ._walks import lifecycle_checks
+from ._walks import lifecycle_checks, lifecycle_names
 from .reference import Float8PerTensorQuantizer
 from .invariants import CONTEXT_INVARIANTS, PLAN_INVARIANTS, all_contexts, covering
 
@@ -95,8 +95,9 @@ def check_quantizer(
     caps = capabilities if capabilities is not None else _registered(registry or default_registry, quantizer)
     name = qualified_name(type(quantizer)) if quantizer is not None else repr(factory)
     results = [protocol]
-    if protocol.failed:
-        results += [CheckResult(n, CheckStatus.SKIPPED, "not run: the protocol check failed") for n in _QUANTIZER_CHECKS]
+    if protocol.failed:  # every check by its name, so that a report counts the same checks every time
+        results += [CheckResult(n, CheckStatus.SKIPPED, "not run: the protocol check failed")
+                    for n in (*_CLAIM_CHECKS, *lifecycle_names())]
     else:
         weights = sample_weights(shapes, examples, seed, dtype)
         results += claim_checks(factory, caps, weights)
@@ -105,7 +106,8 @@ def check_quantizer(
     return QuantizerReport(quantizer=name, capabilities=caps, results=tuple(results), policy=policy_summary(caps))
 
 
-_QUANTIZER_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe", "lifecycle")
+#: The checks of the quantizer after ``protocol`` and before the lifecycle's.
+_CLAIM_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe")
 
 
 def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any, seed: Any) -> None:
