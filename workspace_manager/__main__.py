@@ -55,13 +55,23 @@ def _width(value: str) -> int:
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = ("explain",)
+#: The program's name when it runs as ``python -m workspace_manager`` (or from Python, ``main([...])``).
+MODULE_PROG = "python -m workspace_manager"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def program_name(argv0: str | None = None) -> str:
+    """The name the program was started by, for its usage and errors: the
+    console script's (``workspace-manager``), else ``python -m workspace_manager``."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0 or "")
+    return MODULE_PROG if name in ("", "__main__.py", "-c") or name.endswith(".py") else name
+
+
+def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workspace_manager",
+        prog=prog,
         description="Explicit lifetimes for TransformerEngine's quantized weight workspaces.",
-        epilog="Start with: python -m workspace_manager explain --policy fsdp2",
+        epilog=f"Start with: {prog} explain --policy fsdp2",
     )
     sub = parser.add_subparsers(dest="command", title="subcommands", metavar="COMMAND")
     explain = sub.add_parser("explain", help="print the decision table (policy x setting x quantizer -> plan)")
@@ -92,21 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    """The command on ``argv`` (default: the process's arguments, the
+    program named as it was started; given ``argv``, as ``python -m
+    workspace_manager``). Returns the exit status."""
+    parser = build_parser(program_name() if argv is None else MODULE_PROG)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. 'python -m workspace_manager explain')")
+        parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. '{parser.prog} explain')")
     return emit(explain(args.policy, args.recipe, args.quantizer, full=args.full, why=args.why, width=args.width,
-                        as_json=args.json))
+                        as_json=args.json), parser.prog)
 
 
-def emit(text: str) -> int:
+def emit(text: str, prog: str = MODULE_PROG) -> int:
     """Write ``text`` to stdout; the exit status. A reader that went away
     (``explain | head``) or a full disk ends the command with a shell's
     status and no traceback: 141 as if SIGPIPE stopped it, or 1 with one
     line on stderr."""
     if sys.stdout is None:  # started with stdout closed (``>&-``)
-        sys.stderr.write("workspace_manager: stdout is closed; nothing was written\n")
+        sys.stderr.write(f"{prog}: stdout is closed; nothing was written\n")
         return 1
     try:
         sys.stdout.write(text)
@@ -116,7 +129,7 @@ def emit(text: str) -> int:
         return BROKEN_PIPE_STATUS
     except OSError as err:
         _discard_stdout()
-        sys.stderr.write(f"workspace_manager: could not write the output: {err.strerror or err}\n")
+        sys.stderr.write(f"{prog}: could not write the output: {err.strerror or err}\n")
         return 1
     return 0
 

@@ -489,14 +489,15 @@ def test_a_full_disk_ends_with_one_line_and_status_1():
     with open("/dev/full", "w") as full:
         result = _explain_into(full)
     assert result.returncode == 1
-    assert result.stderr == "workspace_manager: could not write the output: No space left on device\n"
+    assert result.stderr == "python -m workspace_manager: could not write the output: No space left on device\n"
 
 
 def test_a_closed_stdout_ends_with_one_line_and_status_1():
     """``explain >&-``: Python starts with no sys.stdout."""
     result = subprocess.run(["sh", "-c", 'exec "$0" -m workspace_manager explain >&-', sys.executable],
                             stderr=subprocess.PIPE, text=True, timeout=120)
-    assert (result.returncode, result.stderr) == (1, "workspace_manager: stdout is closed; nothing was written\n")
+    assert (result.returncode, result.stderr) == (
+        1, "python -m workspace_manager: stdout is closed; nothing was written\n")
 
 
 # -- the module kinds the legend names -------------------------------------------------------
@@ -599,3 +600,30 @@ def test_explain_in_python_refuses_unknown_names_with_the_packages_errors():
         explain(recipe=[3])
     with pytest.raises(ValueError, match="width must be an int of at least 80 columns; received 79"):
         explain(width=79)
+
+
+@pytest.mark.parametrize("argv0, prog", [
+    ("/venv/bin/workspace-manager", "workspace-manager"),
+    ("/src/workspace_manager/__main__.py", "python -m workspace_manager"),
+])
+def test_errors_name_the_program_as_it_was_started(argv0, prog):
+    """The console script's errors and usage say ``workspace-manager``, not
+    ``python -m workspace_manager``. Run as the script runs: ``main()``
+    with ``sys.argv[0]`` the script's path."""
+    code = ("import sys; sys.argv[0] = sys.argv.pop(1); "
+            "from workspace_manager.__main__ import main; sys.exit(main())")
+    bad = subprocess.run([sys.executable, "-c", code, argv0, "explain", "--policy", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith(
+        f"{prog} explain: error: argument --policy: invalid choice: 'nope' is no policy")
+    assert bad.stderr.startswith(f"usage: {prog} explain [-h]")
+    none = subprocess.run([sys.executable, "-c", code, argv0], capture_output=True, text=True, timeout=120)
+    assert none.stderr.splitlines()[-1] == f"{prog}: error: choose a subcommand: explain (e.g. '{prog} explain')"
+
+
+def test_the_console_script_is_main():
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    scripts = pyproject.split("\n[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    assert scripts.strip() == 'workspace-manager = "workspace_manager.__main__:main"'
