@@ -70,7 +70,10 @@ _COLUMNS = ("cache", "forward", "backward", "dgrad col", "release", "param", "qu
 _INDENT = "  "
 
 #: The meaning of every term the tables print: setting words, cell values,
-#: column names. The legend joins them with "; ", so no meaning holds one.
+#: column names. Short names, not definitions: the values they name are
+#: defined in ``_context.py`` and ``_plan.py``, the policies in ``_policy.py``
+#: ([Note: where the policies are described]). The legend joins them with
+#: "; ", so no meaning holds one.
 LEGEND: dict[str, str] = {
     # settings
     "unsharded": "whole weight on each rank (one GPU, DDP, tensor parallel)",

@@ -1,12 +1,9 @@
 """What a policy decides for one call: a :class:`WorkspacePlan`.
 
-Four decisions govern a workspace's life. A plan answers the four decisions
-in seven fields, each an enum: cache (``cache``); forward usage (``forward_usage``;
-for a quantized parameter also ``parameter_keeps``); backward
-(``backward_source``, ``columnwise_source``, and ``backward_usage``, which
-follows from the source); release (``release``). ``notes`` says why, in
-words. The statement of record is [Note: workspace lifetime] in
-``workspace_manager._policy``.
+Four decisions govern a workspace's life; which field of a plan answers
+which is said once, in [Note: workspace lifetime] in
+``workspace_manager._policy``. Each field is an enum, defined here with the
+meaning of its values; ``notes`` says why, in words.
 """
 
 from __future__ import annotations
