@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import ContextTypeError, InvalidContextError
@@ -153,6 +153,8 @@ class BackwardOverride(enum.Enum):
 
 def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
     """Raise a ContextTypeError naming the field, the value and what is allowed."""
+    if type(value) is expected:  # the common case, decided at once: a member of the enum, a bool
+        return
     if isinstance(expected, type) and issubclass(expected, enum.Enum):
         if not isinstance(value, expected):
             # __members__, not iteration: iterating a Flag skips NONE and the combined members
@@ -172,10 +174,10 @@ def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
 
 
 def _check_fields(obj: Any) -> None:
-    for f in fields(obj):
-        expected = obj._FIELD_TYPES.get(f.name)
-        if expected is not None:
-            _require_type(type(obj).__name__, f.name, getattr(obj, f.name), expected)
+    """Every field of ``obj`` named in its class's ``_FIELD_TYPES`` has its type."""
+    owner = type(obj).__name__
+    for name, expected in obj._FIELD_TYPES.items():
+        _require_type(owner, name, getattr(obj, name), expected)
 
 
 @dataclass(frozen=True, slots=True)

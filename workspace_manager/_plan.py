@@ -179,7 +179,9 @@ def _check_types(plan: WorkspacePlan) -> None:
     """Each decision is its enum (a string such as ``"bypass"`` is refused
     naming the members), so that the rules below compare like with like."""
     for name, expected in _FIELD_TYPES:
-        _require_type("WorkspacePlan", name, getattr(plan, name), expected)
+        value = getattr(plan, name)
+        if type(value) is not expected:  # a member of the enum passes at once: plans are made per call
+            _require_type("WorkspacePlan", name, value, expected)
     if not isinstance(plan.notes, tuple) or not all(isinstance(note, str) for note in plan.notes):
         raise ContextTypeError(f"WorkspacePlan.notes must be a tuple of str; received {plan.notes!r}")
 

@@ -24,6 +24,7 @@ Everything is deterministic for a given ``seed``; nothing needs Hypothesis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,7 +150,18 @@ def _check_weights(shapes: Any, dtype: Any) -> None:
 
 def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:
     """Every plan invariant over every (covering policy, context) pair, and
-    every context invariant over every context, for ``capabilities``."""
+    every context invariant over every context, for ``capabilities``.
+
+    The policies and the invariants are pure, so the results for one set of
+    capabilities and invariants are worked out once per process (about a
+    second) and kept: checking a second quantizer with the same capabilities
+    reruns none of it."""
+    return list(_policy_checks(capabilities, tuple(PLAN_INVARIANTS), tuple(CONTEXT_INVARIANTS)))
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_checks(capabilities: QuantizerCapabilities, plan_invariants: tuple[Callable[..., None], ...],
+                   context_invariants: tuple[Callable[..., None], ...]) -> tuple[CheckResult, ...]:
     contexts = list(all_contexts(capabilities))
     triples: list[tuple[WorkspacePolicy, WorkspaceContext, WorkspacePlan]] = []
     for ctx in contexts:
@@ -158,10 +170,10 @@ def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:
                 triples.append((policy, ctx, policy.plan(ctx)))
             except Exception as err:
                 reason = f"{policy!r} cannot plan a context it covers ({_setting(ctx)}): {describe_exception(err)}"
-                return [CheckResult("policy: plans", CheckStatus.FAILED, reason)]
-    results = [_run_invariant(inv, triples) for inv in PLAN_INVARIANTS]
-    results += [_run_invariant(inv, [(None, ctx, None) for ctx in contexts]) for inv in CONTEXT_INVARIANTS]
-    return results
+                return (CheckResult("policy: plans", CheckStatus.FAILED, reason),)
+    results = [_run_invariant(inv, triples) for inv in plan_invariants]
+    results += [_run_invariant(inv, [(None, ctx, None) for ctx in contexts]) for inv in context_invariants]
+    return tuple(results)
 
 
 def policy_summary(capabilities: QuantizerCapabilities) -> CheckResult:
