@@ -154,7 +154,9 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
     try:
         # installed now, so that stock and drop-in models run in the same process state whatever the
         # order (stock modules pass through them unchanged, and the quantization counter sees both)
-        te_integration.install_seams()
+        import te_integration.debug
+
+        te_integration.debug.install_seams()
         args.recipes = supported_recipes(args.recipes, result)
         total_gib = torch.cuda.get_device_properties(dist.local_rank).total_memory / 2**30
         jobs = plan(args, dist, dist.world, total_gib)

@@ -191,12 +191,12 @@ def seams_for(managed: bool) -> None:
     """Before a timed step or block: the seams installed for a drop-in, and
     taken out for stock TE, so stock runs TE's code untouched (timing
     benchmarks only: the quantization counter needs them installed)."""
-    import te_integration
+    from te_integration.debug import install_seams, uninstall_seams
 
     if managed:
-        te_integration.install_seams()
+        install_seams()
     else:
-        te_integration.uninstall_seams()
+        uninstall_seams()
 
 
 class Probe:

@@ -75,7 +75,8 @@ def contexts() -> list:
 
 def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
-    from workspace_manager import BackwardOverride, Microbatch, WorkspaceLedger, plan_call, resolve_policy, select_policy
+    from workspace_manager import BackwardOverride, Microbatch, plan_call, resolve_policy, select_policy
+    from workspace_manager.attribution import WorkspaceLedger
 
     def noop(item):
         return item

@@ -61,11 +61,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding", "fsdp2_gathered_parameters",
            "FSDP2Parameter", "fsdp2_parameters"]
 
-# FSDP2's home module: torch >= 2.6, and torch 2.4/2.5.
-_FSDP2_PACKAGES = (
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed._composable.fsdp",
-)
+#: FSDP2's home module (torch >= 2.6, the package's minimum). The older path,
+#: ``torch.distributed._composable.fsdp``, re-exports it and so imports it too.
+_FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
 
 
 def detect_fsdp2_sharding(
@@ -137,8 +135,7 @@ class ShardingProbe:
         single owning group decides with one attribute read."""
         entries = self._entries
         if entries is None:
-            modules = sys.modules
-            if _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules:
+            if _FSDP2_PACKAGE in sys.modules:
                 return None
             return Sharding.NONE
         if len(entries) != self._count:
@@ -152,9 +149,8 @@ class ShardingProbe:
 
     def stale(self) -> bool:
         """Whether FSDP2 state was added or removed since the probe was made."""
-        if self._entries is None:  # FSDP2 was not imported then; two dict lookups
-            modules = sys.modules
-            return _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules
+        if self._entries is None:  # FSDP2 was not imported then; one dict lookup
+            return _FSDP2_PACKAGE in sys.modules
         return len(self._entries) != self._count
 
 
@@ -218,8 +214,7 @@ def _fsdp2_api() -> SimpleNamespace | None:
     ``sys.modules`` nothing is sharded; this keeps a model without FSDP2
     from importing torch.distributed at all.
     """
-    package = next((p for p in _FSDP2_PACKAGES if p in sys.modules), None)
-    if package is None:
+    if _FSDP2_PACKAGE not in sys.modules:
         return None
     try:
         from importlib import import_module
@@ -227,8 +222,8 @@ def _fsdp2_api() -> SimpleNamespace | None:
         from torch.distributed._composable.contract import _get_registry
         from torch.distributed._composable_state import _get_module_state, _module_state_mapping
 
-        common = import_module(f"{package}._fsdp_common")
-        state = import_module(f"{package}._fsdp_state")
+        common = import_module(f"{_FSDP2_PACKAGE}._fsdp_common")
+        state = import_module(f"{_FSDP2_PACKAGE}._fsdp_state")
     except ImportError:  # a torch build without these internals
         return None
     return SimpleNamespace(

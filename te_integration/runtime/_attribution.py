@@ -1,6 +1,6 @@
 """Who holds which quantized weight bytes in a TE model, and why.
 
-Two sources feed a :class:`~workspace_manager.WorkspaceLedger`:
+Two sources feed a :class:`~workspace_manager.attribution.WorkspaceLedger`:
 
 * the seams, while a recording covers the module: each workspace TE's
   ``quantize_weight`` returns, with the plan of the call (drop-in modules)
@@ -31,15 +31,9 @@ from typing import Any
 
 import torch
 
-from workspace_manager import (
-    Usage,
-    WorkspaceKind,
-    WorkspaceLedger,
-    WorkspaceReport,
-    detect_fsdp2_sharding,
-    fsdp2_parameters,
-    workspace_kind,
-)
+from workspace_manager import Usage
+from workspace_manager.attribution import workspace_kind, WorkspaceKind, WorkspaceLedger, WorkspaceReport
+from workspace_manager.extending import detect_fsdp2_sharding, fsdp2_parameters
 
 from ..te import _compat as te
 from ._argument_checks import expect_bool, expect_module

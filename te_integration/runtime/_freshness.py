@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from workspace_manager import buffers_of
+from workspace_manager.attribution import buffers_of
 
 from ..te import _compat as te
 from ._model import written_drop_ins

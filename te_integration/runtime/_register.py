@@ -1,7 +1,7 @@
 """TE's weight quantizers in the registry, checked against the installed TE.
 
 The core already describes TE's quantizers by qualified name
-(``workspace_manager.TE_QUANTIZER_PROFILES``); here each name must
+(``workspace_manager.extending.TE_QUANTIZER_PROFILES``); here each name must
 resolve to a class of the installed TE, and the hybrid quantizer gets
 capabilities computed from its two sub-quantizers.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from workspace_manager import TE_QUANTIZER_PROFILES, QuantizerCapabilities, default_registry, quantizer_capabilities
+from workspace_manager import QuantizerCapabilities
+from workspace_manager.extending import default_registry, quantizer_capabilities, TE_QUANTIZER_PROFILES
 
 from ..te._compat import VERSION, UnsupportedTEError
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workspace_manager import register_module_kind
+from workspace_manager.extending import register_module_kind
 
 from ._call import CallPart
 

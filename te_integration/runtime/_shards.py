@@ -15,13 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workspace_manager import (
-    Usage,
-    WeightSource,
-    WorkspaceContext,
-    plan_call,
-    quantizer_capabilities,
-)
+from workspace_manager import plan_call, Usage, WeightSource, WorkspaceContext
+from workspace_manager.extending import quantizer_capabilities
 
 from ..te import _compat as te
 from ._model import written_drop_ins

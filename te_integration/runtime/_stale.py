@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from workspace_manager import fsdp2_gathered_parameters
+from workspace_manager.extending import fsdp2_gathered_parameters
 
 from ._argument_checks import expect_module
 from ._attribution import te_modules

@@ -38,19 +38,16 @@ from typing import Any
 from workspace_manager import (
     BackwardOverride,
     Microbatch,
+    plan_call,
     Policy,
     RecomputePass,
     RecomputeScope,
     Sharding,
-    ShardingProbe,
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
-    default_registry,
-    plan_call,
-    probe_fsdp2_sharding,
-    quantizer_capabilities,
 )
+from workspace_manager.extending import default_registry, probe_fsdp2_sharding, quantizer_capabilities, ShardingProbe
 
 from ..te import _compat as te
 from ._levers import Levers, levers_from_plan

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from workspace_manager import fsdp2_parameters
+from workspace_manager.extending import fsdp2_parameters
 
 __all__ = ["Step", "ORDER", "step_task", "ensure_hook"]
 

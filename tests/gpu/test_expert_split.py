@@ -176,7 +176,7 @@ def test_grouped_experts_quantized_at_once_hold_what_each_alone_holds(recipe, us
     weights[1].zero_()
     weights[2].mul_(1e-30)
     ours = [_quantizer(recipe) for _ in range(EXPERTS)]
-    outs = quantize_experts(ours, weights, rowwise, columnwise)
+    outs = quantize_experts(SimpleNamespace(alike=None), ours, weights, rowwise, columnwise)
     assert outs is not None, f"quantize_experts declined {recipe}'s experts"
     for i, (out, weight) in enumerate(zip(outs, weights)):
         reference = _reference(_quantizer(recipe), weight, rowwise, columnwise)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from _binding_standin import load_binding
 
-from workspace_manager import Lifetime, Sharding, WorkspaceContext, WorkspaceKind, select_policy
+from workspace_manager import Sharding, WorkspaceContext, select_policy
+from workspace_manager.attribution import Lifetime, WorkspaceKind
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING
 from workspace_manager.testing.reference import Float8PerTensorQuantizer, Float8PerTensorWeight
 
@@ -192,7 +193,8 @@ def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
 def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
     """A drop-in's quantized parameter: its columnwise copy is reported with
     the plan the policy makes for it, even before the module's first forward."""
-    from workspace_manager import Usage, default_registry
+    from workspace_manager import Usage
+    from workspace_manager.extending import default_registry
     from workspace_manager.testing.reference import REFERENCE_CAPABILITIES
 
     default_registry.register(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, override=True)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _fake_te import Float8CurrentScalingQuantizer, QuantizedTensorStorage, TELinear, _round, load_full_binding
 
-from workspace_manager import fsdp2_gathered_parameters
+from workspace_manager.extending import fsdp2_gathered_parameters
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ from _examples import scaled
 from _fake_te import TELinear, load_full_binding
 from _fake_te_mlp import Float8Quantizer, TELayerNormMLP
 from workspace_manager import (
-    PROFILES,
     BackwardSource,
     ColumnwiseSource,
     ContextTypeError,
@@ -44,6 +43,7 @@ from workspace_manager import (
     Usage,
     WorkspaceContext,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding, meaningful_plans
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))

@@ -125,7 +125,7 @@ def test_the_package_import_registers_every_kind_file_and_exports_its_drop_ins(t
     root = write_te_ops_tree(write_te_tree(tmp_path))
     code = textwrap.dedent("""
         import json, sys, types
-        from workspace_manager import TE_QUANTIZER_PROFILES, registered_module_kinds
+        from workspace_manager.extending import TE_QUANTIZER_PROFILES, registered_module_kinds
         for name in TE_QUANTIZER_PROFILES:  # the quantizer classes _register resolves, which the tree lacks
             module, _, cls = name.rpartition(".")
             setattr(sys.modules.setdefault(module, types.ModuleType(module)), cls, type(cls, (), {}))
