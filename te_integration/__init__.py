@@ -18,7 +18,7 @@ plan is refused, the seams, the TE version).
 """
 
 from .te import _compat  # noqa: F401  (first: an unusable TE raises UnsupportedTEError here)
-from .runtime import _register  # noqa: F401  (checks TE's quantizer classes)
+from .runtime import _te_quantizers  # noqa: F401  (checks TE's quantizer classes)
 from . import kinds  # every kind's file registers its adapter (kinds/__init__)
 from .runtime._modules import convert_model, last_plans, set_workspace_policy
 from .runtime._construction import managed_construction
@@ -28,7 +28,7 @@ from .runtime._model import release_step_caches
 from .runtime._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
 from .runtime._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
 from .runtime._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
-from .runtime._registry import register_with_explain
+from .runtime._kind_registry import register_with_explain
 from . import debug
 from workspace_manager.extending import moved_names
 

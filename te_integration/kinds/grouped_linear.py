@@ -52,7 +52,7 @@ from ..runtime._modules import ManagedModule
 from ..runtime._plan_support import plan_refusal
 from ..runtime._quantize import expert_keys
 from ..runtime._rebuild import Rebuild
-from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._kind_registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import BackwardWork
 from ..runtime._saved_tensors import rowwise_parts
 from ..te import _compat as te

@@ -48,7 +48,7 @@ from ..runtime._freshness import is_per_tensor
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
 from ..runtime._rebuild import Rebuild
-from ..runtime._registry import Adapter, ModuleKind, OpHooks, register
+from ..runtime._kind_registry import Adapter, ModuleKind, OpHooks, register
 from ..runtime._release import BackwardWork
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops

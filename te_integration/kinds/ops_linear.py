@@ -39,7 +39,7 @@ from ..runtime._foreign_patches import SeamedName
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
 from ..runtime._rebuild import RebuildQuantizer
-from ..runtime._registry import OP_HOOKS, Adapter, ModuleKind, OpHooks, register
+from ..runtime._kind_registry import OP_HOOKS, Adapter, ModuleKind, OpHooks, register
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops
 

@@ -37,7 +37,7 @@ from workspace_manager.extending import detect_fsdp2_sharding, fsdp2_parameters
 
 from ..te import _compat as te
 from ._argument_checks import expect_bool, expect_module
-from ._registry import adapters
+from ._kind_registry import adapters
 from ._step_hook import Step, ensure_hook, step_task
 
 __all__ = ["workspace_report", "record_workspaces", "WorkspaceRecording", "ACTIVE_RECORDINGS"]

@@ -6,7 +6,7 @@ name (so ``grad_fn`` names do not change) whose forward is
 :func:`seam_function`'s one body, and whose backward runs the plan's
 release after TE's. What differs between kinds (where the weights,
 quantizers and flags sit in TE's arguments, which ctx fields TE's backward
-reads) is the kind's :class:`~te_integration.runtime._registry.FunctionSeam`.
+reads) is the kind's :class:`~te_integration.runtime._kind_registry.FunctionSeam`.
 
 The body runs on every call of every TE module once installed, so it calls
 nothing it can spell inline: the kind's ``begin`` (gate and plan) and
@@ -27,7 +27,7 @@ from typing import Any
 from . import _attribution
 from ._call import ACTIVE
 from ._quantize import commit_cache
-from ._registry import FunctionSeam
+from ._kind_registry import FunctionSeam
 from ._release import run_backward
 from ._saved_tensors import save_columnwise_only
 

@@ -13,7 +13,7 @@ from workspace_manager import WorkspacePolicy
 
 from . import _install
 from ._freshness import placement, release_module
-from ._registry import ModuleKind
+from ._kind_registry import ModuleKind
 from ._shards import trim_sharded_parameters
 from ._state import ModuleWorkspaceState, state_of
 

@@ -9,7 +9,7 @@ policy (``_functions`` and the kind's ``begin``). The drop-ins add no
 parameters, buffers, submodules or ``fp8_meta`` entries, so ``state_dict``
 and ``extra_state`` are exactly TE's and checkpoints move both ways between
 stock and drop-in modules. :func:`convert_model` takes its table of TE
-classes to drop-ins from the registry (``_registry``).
+classes to drop-ins from the registry of kinds (``_kind_registry``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from . import _install
 from ._call import ACTIVE, CallRecord, refuse_reentry
 from ._managed_common import ManagedCommon, ManagedOp
 from ._model import model_for_root
-from ._registry import ModuleKind, drop_ins
+from ._kind_registry import ModuleKind, drop_ins
 from ._state import ModuleWorkspaceState, state_of
 
 __all__ = [

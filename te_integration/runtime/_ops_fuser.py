@@ -7,7 +7,7 @@ fused op's) ``fuser_forward`` with per-op ``OperationContext`` objects. So a
 call's records are opened around that Function's forward, by a same-named
 subclass in ``ops/fuser.py`` (which ``OperationFuser.__call__`` looks up by
 name at each call): for each drop-in op among ``fuser._basic_ops`` (an op
-whose kind registered :class:`~te_integration.runtime._registry.OpHooks`)
+whose kind registered :class:`~te_integration.runtime._kind_registry.OpHooks`)
 it pushes a :class:`~te_integration.runtime._call.CallRecord` (the op, its
 state, its sharding read now), runs TE's forward, pops them in a
 ``finally``; then asks each op's kind (``OpHooks.edit_ctx``) to set what
@@ -30,7 +30,7 @@ from . import _attribution
 from ..te import _compat_ops as te_ops
 from ._call import ACTIVE, new_record
 from ._foreign_patches import SeamedName
-from ._registry import OP_HOOKS
+from ._kind_registry import OP_HOOKS
 from ._release import BackwardWork, run_backward
 from ._state import state_of
 

@@ -55,7 +55,7 @@ from ._plan_support import UnsupportedPlanError, require_same_passes, require_su
 from ._freshness import STAMP, refresh_parameter
 from ._rebuild import RebuildQuantizer
 from ._model import model_state
-from ._registry import ModuleKind, refusal_of
+from ._kind_registry import ModuleKind, refusal_of
 from ._step_hook import ensure_hook
 
 __all__ = ["ModuleWorkspaceState", "state_of"]

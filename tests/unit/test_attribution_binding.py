@@ -44,8 +44,8 @@ def attribution(monkeypatch):
         "TEGroupedLinear": type("_TEGroupedLinear", (torch.nn.Module,), {}),
     }
     loaded = load_binding(monkeypatch, compat, "runtime._attribution", "runtime._state", "runtime._levers",
-                          "runtime._registry")
-    registry = loaded["runtime._registry"]
+                          "runtime._kind_registry")
+    registry = loaded["runtime._kind_registry"]
     # Attribution finds TE modules through the kind registry (the kinds' files fill it).
     for kind, name in (("linear", "TELinear"), ("layernorm_linear", "TELayerNormLinear"),
                        ("layernorm_mlp", "TELayerNormMLP"), ("grouped_linear", "TEGroupedLinear")):

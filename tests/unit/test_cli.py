@@ -527,7 +527,7 @@ def test_the_legend_names_the_module_kinds_the_binding_registers(capsys, monkeyp
     from _binding_standin import load_binding
     from _fake_te import compat
 
-    kinds = load_binding(monkeypatch, compat(), "runtime._registry", "kinds")["runtime._registry"]
+    kinds = load_binding(monkeypatch, compat(), "runtime._kind_registry", "kinds")["runtime._kind_registry"]
     kinds.register_with_explain()  # as te_integration's __init__ does, once every kind registered
     assert [k.name for k in no_kinds.registered_module_kinds()] == [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "te.ops.BasicLinear", "te.ops.GroupedLinear"]

@@ -111,7 +111,7 @@ def test_te_integration_exports_its_users_names_and_moved_names_still_resolve(tm
         import json, sys, types, warnings
         warnings.simplefilter("error")
         from workspace_manager.extending import TE_QUANTIZER_PROFILES
-        for name in TE_QUANTIZER_PROFILES:  # the quantizer classes _register resolves, which the tree lacks
+        for name in TE_QUANTIZER_PROFILES:  # the quantizer classes _te_quantizers resolves, which the tree lacks
             module, _, cls = name.rpartition(".")
             setattr(sys.modules.setdefault(module, types.ModuleType(module)), cls, type(cls, (), {}))
         import te_integration as ti
