@@ -81,8 +81,9 @@ class ModelWorkspaceState:
                 self._pending.setdefault(module, set()).update(keys)
 
     def written(self, step: Step) -> tuple:
-        """The drop-ins of this model that ``step`` wrote."""
-        return step.written(self, self._members)
+        """The drop-ins of this model that ``step`` wrote (the step's tasks
+        ask :func:`written_drop_ins`, which finds them once per step)."""
+        return step.written(self._members)
 
     # -- cache entries released at the step ------------------------------------------
     def release_after_step(self, module: Any, key: str) -> None:

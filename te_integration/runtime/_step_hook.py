@@ -91,7 +91,7 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 class Step:
     """One optimizer step: which parameters it wrote (see the module docstring)."""
 
-    __slots__ = ("ids", "everything", "why", "_written", "memo")
+    __slots__ = ("ids", "everything", "why", "memo")
 
     def __init__(self, ids: frozenset[int], everything: bool = False, why: str = "") -> None:
         #: The ids of the parameters the step wrote.
@@ -100,7 +100,6 @@ class Step:
         self.everything = everything
         #: Why :attr:`everything` is set.
         self.why = why
-        self._written: dict[int, tuple] = {}
         #: What the tasks find once for the step and share (``_model.written_drop_ins``).
         self.memo: dict[str, Any] = {}
 
@@ -129,13 +128,9 @@ class Step:
         sources that could not be found, which any step may have written)."""
         return self.everything or sources is None or not self.ids.isdisjoint(sources)
 
-    def written(self, key: Any, modules: Iterable[Any]) -> tuple:
-        """Those of ``modules`` the step wrote, found once per step for each
-        ``key`` (a model's state asks for its drop-ins)."""
-        found = self._written.get(id(key))
-        if found is None:
-            found = self._written[id(key)] = tuple(m for m in modules if self.wrote(m))
-        return found
+    def written(self, modules: Iterable[Any]) -> tuple:
+        """Those of the drop-ins ``modules`` the step wrote."""
+        return tuple(m for m in modules if self.wrote(m))
 
 
 def _placement(optimizer: Any) -> tuple[frozenset[int] | None, str]:
