@@ -283,11 +283,11 @@ def record_workspaces(model: torch.nn.Module, *, timeline: bool = True) -> conte
 @contextlib.contextmanager
 def _recording(model: torch.nn.Module, timeline: bool) -> Iterator[WorkspaceRecording]:
     recording = WorkspaceRecording(model, timeline)
-    taken = [r for r in ACTIVE_RECORDINGS if r.module_ids & recording.module_ids]
-    if taken:
-        raise RuntimeError(f"record_workspaces is already active over {len(taken[0].module_ids & recording.module_ids)} "
-                           "of this model's TE modules; recordings of one module do not nest (record another "
-                           "model, or end the other block first)")
+    shared = [r.module_ids & recording.module_ids for r in ACTIVE_RECORDINGS]
+    shared = [ids for ids in shared if ids]
+    if shared:
+        raise RuntimeError(f"record_workspaces is already active over {len(shared[0])} of this model's TE modules; "
+                           "recordings of one module do not nest (record another model, or end the other block first)")
     handles = [h for m in recording.modules for h in _hooks(m, recording)]
     ensure_hook()  # the binding's one optimizer-step hook takes the step points
     ACTIVE_RECORDINGS.append(recording)

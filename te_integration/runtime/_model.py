@@ -55,7 +55,8 @@ class ModelWorkspaceState:
 
     def __repr__(self) -> str:
         root = self._root()
-        return f"ModelWorkspaceState({type(root).__name__ if root is not None else 'gone'}, {len(self._members)} drop-ins)"
+        name = type(root).__name__ if root is not None else "gone"
+        return f"ModelWorkspaceState({name}, {len(self._members)} drop-ins)"
 
     @property
     def root(self) -> Any:

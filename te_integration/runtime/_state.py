@@ -199,7 +199,8 @@ class ModuleWorkspaceState:
             except (AttributeError, RuntimeError):  # none kept (an inference tensor): _freshness.version_of, inline
                 version = 0
             if getattr(weight, STAMP, None) != (self.writes, version):
-                refresh_parameter(weight, self.writes)  # written since its derived data was made (docs/decisions.md, D12)
+                # Written since its derived data was made (docs/decisions.md, D12).
+                refresh_parameter(weight, self.writes)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
             self._forget()
