@@ -187,7 +187,19 @@ def test_grouped_experts_quantized_at_once_hold_what_each_alone_holds(recipe, us
                 continue
             assert (got is None) == (want is None), (i, name)
             if want is not None:
-                assert tuple(got.shape) == tuple(want.shape) and torch.equal(_bits(got), _bits(want)), (i, name)
+                assert tuple(got.shape) == tuple(want.shape), (i, name)
+                assert torch.equal(_bits(_meant(name, got, weight)), _bits(_meant(name, want, weight))), (i, name)
+
+
+def _meant(name: str, tensor, weight):
+    """The part of a field a GEMM reads: 2D block scales are padded to a
+    multiple of 4 columns, and the padding holds whatever the allocation held
+    (TE's per-expert quantize and the grouped one allocate differently), so
+    only the scales of the weight's 128 x 128 blocks are compared."""
+    if name not in ("_rowwise_scale_inv", "_columnwise_scale_inv") or tensor.dim() != 2:
+        return tensor
+    rows, cols = (-(-n // 128) for n in weight.shape)
+    return tensor[:rows, :cols] if name == "_rowwise_scale_inv" else tensor[:cols, :rows]
 
 
 def _bits(tensor):
