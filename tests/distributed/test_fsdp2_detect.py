@@ -4,11 +4,6 @@ that need no process group."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,56 +14,19 @@ from workspace_manager._context import Sharding
 from workspace_manager._errors import ContextTypeError
 from workspace_manager._fsdp2 import detect_fsdp2_sharding
 
-REPO = Path(__file__).resolve().parents[2]
+from _torchrun import gloo_unavailable, run_torchrun
+
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 TIMEOUT_S = 300
 
 
-def _gloo_unavailable() -> str | None:
-    """Why the torchrun test cannot run here, or None."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return "this torch build has no torch.distributed"
-    if not dist.is_gloo_available():
-        return "this torch build has no gloo backend"
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return "torch.distributed.fsdp.fully_shard (FSDP2) needs torch >= 2.6"
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_torchrun(result: Path) -> subprocess.CompletedProcess:
-    """torchrun in its own session, so a hang kills its workers too."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(WORKER), str(result),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s; output:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
-
 @pytest.mark.distributed
 def test_fsdp2_detection_under_torchrun(tmp_path: Path) -> None:
-    reason = _gloo_unavailable()
+    reason = gloo_unavailable()
     if reason:
         pytest.skip(reason)
     result = tmp_path / "fsdp2_detect.json"
-    proc = _run_torchrun(result)
+    proc = run_torchrun(WORKER, [str(result)], timeout_s=TIMEOUT_S)
     tail = proc.stdout[-6000:]
     assert result.exists(), f"the worker wrote no result (rc={proc.returncode}); output:\n{tail}"
     report = json.loads(result.read_text())
