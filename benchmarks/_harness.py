@@ -1,5 +1,6 @@
 """What every benchmark shares: arguments, environment, statistics, the
-comparison rows with their targets, JSON and Markdown output, progress.
+comparison rows with their targets, the result (JSON and Markdown, written
+into the benchmark's current result folder), progress.
 
 Nothing here needs CUDA or TransformerEngine: torch is imported inside the
 functions that ask it something, and TE is never imported (its version is
@@ -25,7 +26,8 @@ from typing import Any, TextIO
 
 from testbed.record import capture_env, jsonable
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+#: Every benchmark's current result: ``RESULTS / <benchmark>``.
+RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMA = "te-wm-benchmark/1"
 
 #: The recipes an sm_90 GPU (H100/H200) runs.
@@ -41,7 +43,6 @@ MIB = 2**20
 MEMORY_RATIO_MAX = 1.00
 TIME_RATIO_MAX = 1.01
 FWD_KIB_OVER_BF16_MAX = 50.0
-SOAK_FLAT_MIB_MAX = 1.0
 
 
 # -- arguments -----------------------------------------------------------------
@@ -83,9 +84,11 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute): fewer configs and steps")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and Markdown results "
-                   "(default: benchmarks/results)")
-    p.add_argument("--tag", default="", help="suffix for the result file names (default: 'quick' with --quick)")
+    p.add_argument("--out", type=Path, default=RESULTS / name,
+                   help=f"folder of the result (default: benchmarks/results/{name}/, the current result, "
+                        "which this run replaces)")
+    p.add_argument("--tag", default="", help="one more configuration beside the result: <name>-TAG.*, replacing "
+                   "only that tag's files (default: 'quick' with --quick)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -217,8 +220,9 @@ def time_row(case: str, stock_s: Sequence[float], dropin_s: Sequence[float], *,
     if len(stock_s) == len(dropin_s):
         # Paired rounds (the models step in turn): the median of per-round
         # ratios cancels drift that hits a round's models alike.
-        paired = statistics.median(d / s for s, d in zip(stock_s, dropin_s) if s > 0)
-        notes.append(f"median of per-round ratios {paired:.4f}")
+        ratios = [d / s for s, d in zip(stock_s, dropin_s) if s > 0]
+        notes.append(f"median of per-round ratios {statistics.median(ratios):.4f} "
+                     f"(IQR {quantile(ratios, 0.25):.4f}-{quantile(ratios, 0.75):.4f})")
     if row["ok"] is False:
         overlap = dr["q1"] <= st["q3"] and st["q1"] <= dr["q3"]
         notes.append(f"+{dr['median'] - st['median']:.3f} ms per step; IQRs "
@@ -273,7 +277,8 @@ def fmt(value: Any) -> str:
 # -- results: JSON and Markdown ------------------------------------------------
 def new_result(name: str, config: dict) -> dict:
     """An empty result: fill ``samples`` (raw), ``rows``, ``series``,
-    ``timings``, ``bars``, ``tables``, ``skipped`` and ``errors``."""
+    ``timings``, ``bars``, ``tables``, ``skipped`` and ``errors`` (and
+    ``text``, a plain-text summary of a benchmark's own, if it has one)."""
     return {"schema": SCHEMA, "benchmark": name,
             "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": command_line(name),
@@ -281,12 +286,13 @@ def new_result(name: str, config: dict) -> dict:
             "bars": [], "tables": [], "skipped": [], "errors": [], "wall_s": None}
 
 
-def command_line(name: str) -> str:
-    """How this run was launched, as a command to repeat it."""
+def command_line(name: str, argv: Sequence[str] | None = None) -> str:
+    """How this run was launched (``argv``: its arguments, default the
+    process's), as a command to repeat it."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     # torchrun sets LOCAL_RANK: at world size 1 the run was still a torchrun one
     launcher = f"torchrun --nproc_per_node={world} -m" if world > 1 or "LOCAL_RANK" in os.environ else "python3 -m"
-    return f"{launcher} benchmarks.{name} {shlex.join(sys.argv[1:])}".rstrip()
+    return f"{launcher} benchmarks.{name} {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
 
 
 def summary_counts(rows: Sequence[dict]) -> dict:
@@ -299,11 +305,23 @@ def result_stem(name: str, tag: str) -> str:
     return f"{name}-{tag}" if tag else name
 
 
+def earlier_files(out_dir: Path, name: str, tag: str = "") -> list[Path]:
+    """What an earlier run of benchmark ``name`` left in ``out_dir`` that this
+    run replaces: without a tag every file of the benchmark (its result, its
+    tagged configurations, their figures); with one, only that tag's."""
+    stem = result_stem(name, tag)
+    prefixes = (f"{stem}.", f"{stem}_") if tag else (f"{name}.", f"{name}_", f"{name}-")
+    return sorted(p for p in Path(out_dir).glob(f"{name}*") if p.is_file() and p.name.startswith(prefixes))
+
+
 def write_result(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
-    """Write ``<name>[-tag].json`` and ``.md`` into ``out_dir`` (created).
-    The JSON is written to a temporary name first and then renamed."""
+    """Write ``<name>[-tag].json`` and ``.md`` into ``out_dir`` (created),
+    after removing what they replace (:func:`earlier_files`). The JSON is
+    written to a temporary name first and then renamed."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for old in earlier_files(out_dir, result["benchmark"], tag):
+        old.unlink()
     stem = result_stem(result["benchmark"], tag)
     result["summary"] = summary_counts(result["rows"])
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
@@ -345,6 +363,8 @@ def render_markdown(result: dict) -> str:
         missed = [r for r in rows if r["ok"] is False]
         if missed:
             lines += ["## Missed targets", "", *[f"- {explain_miss(r)}" for r in missed], ""]
+    if result.get("text"):  # a benchmark's own plain-text summary, shown as it wrote it
+        lines += ["```", result["text"].rstrip(), "```", ""]
     for table in result.get("tables", []):
         lines += [f"## {table['title']}", "", *markdown_table(table["columns"], table["rows"]), ""]
         if table.get("note"):
@@ -432,20 +452,3 @@ class Progress:
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-# -- timing ----------------------------------------------------------------------
-def synchronize() -> None:
-    """Wait for the GPU if there is one (a no-op on CPU)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """Run ``fn`` between two GPU synchronizations; its result and seconds."""
-    synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize()
-    return out, time.perf_counter() - t0

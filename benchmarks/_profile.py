@@ -1,7 +1,8 @@
-"""Where a drop-in's host time goes, counted: Python-level calls per function
-(cProfile's primitive call counts), stock against drop-in, for one step or
-one call. Counts do not depend on the host's speed or load, so the table
-they give explains a timing miss where a timing alone cannot."""
+"""Where a drop-in's time goes, counted: Python-level calls per function
+(cProfile's primitive call counts) and CUDA kernels per name
+(torch.profiler), stock against drop-in, for one step or one call. Counts do
+not depend on the host's speed or load, so the tables they give explain a
+timing miss where a timing alone cannot."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import cProfile
 import pstats
 from collections.abc import Callable
 
-__all__ = ["profile_step", "added_calls_table", "own_time_table"]
+__all__ = ["profile_step", "kernel_profile", "count_kernels", "differences_table", "largest_differences"]
 
 #: Folders whose name starts a function's label (the rest of the path is
 #: the machine's, not the project's).
 _ROOTS = ("te_integration/", "workspace_manager/", "transformer_engine/", "torch/", "benchmarks/")
+#: Host calls that launch work on the GPU, as torch.profiler names them.
+_LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch")
 
 
 def _label(file: str, name: str) -> str:
@@ -31,18 +34,61 @@ def _label(file: str, name: str) -> str:
 
 def profile_step(fn: Callable[[], object]) -> dict:
     """Run ``fn`` once under cProfile: ``calls`` (primitive calls per
-    function label), ``own_by`` (own time per label, in seconds) and
-    ``own_s`` (their sum). Times are inflated by profiling: for where the
-    time goes, not for how much there is."""
+    function label) and ``own_s`` (the summed own time, inflated by
+    profiling: for where the time goes, not for how much there is)."""
     prof = cProfile.Profile()
     prof.runcall(fn)
     calls: dict[str, int] = {}
-    own_by: dict[str, float] = {}
+    own = 0.0
     for (file, _, name), (primitive, _, tottime, _, _) in pstats.Stats(prof).stats.items():
         label = _label(file, name)
         calls[label] = calls.get(label, 0) + primitive
-        own_by[label] = own_by.get(label, 0.0) + tottime
-    return {"calls": calls, "own_by": own_by, "own_s": sum(own_by.values())}
+        own += tottime
+    return {"calls": calls, "own_s": own}
+
+
+def kernel_profile(fn: Callable[[], object]) -> dict:
+    """Run ``fn`` once under torch.profiler and count its GPU work (:func:`count_kernels`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return count_kernels(prof.events())
+
+
+def count_kernels(events) -> dict:
+    """From a profile's events: ``kernels`` (CUDA kernels, not copies,
+    fills or annotated ranges), ``by_kernel`` (count per kernel name),
+    ``busy_by`` (summed time per kernel name, ms), ``launch_calls`` (host
+    calls that launch GPU work) and ``busy_ms`` (the kernels' summed time).
+
+    A ``record_function`` range (FSDP's ``FSDP::pre_forward``, the
+    optimizer's step) is mirrored on the GPU's timeline as an event of the
+    same name spanning the kernels inside it: counted, it would add its
+    whole span to the busy time. Such events are marked as user annotations,
+    and their names are the host ranges' names; either leaves one out."""
+    import torch
+
+    events = list(events)
+    cuda = torch.autograd.DeviceType.CUDA
+    ranges = {e.name for e in events if e.device_type != cuda and getattr(e, "is_user_annotation", False)}
+    by_kernel: dict[str, int] = {}
+    busy_by: dict[str, float] = {}
+    launches = 0
+    for event in events:
+        if event.device_type == cuda:
+            if (event.name.startswith(("Memcpy", "Memset")) or event.name in ranges
+                    or getattr(event, "is_user_annotation", False)):
+                continue
+            by_kernel[event.name] = by_kernel.get(event.name, 0) + 1
+            busy_by[event.name] = busy_by.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+        elif event.name.startswith(_LAUNCH_PREFIXES):
+            launches += 1
+    return {"kernels": sum(by_kernel.values()), "by_kernel": by_kernel, "busy_by": busy_by,
+            "launch_calls": launches, "busy_ms": sum(busy_by.values())}
 
 
 def largest_differences(stock: dict, dropin: dict, top: int) -> list[tuple]:
@@ -53,28 +99,16 @@ def largest_differences(stock: dict, dropin: dict, top: int) -> list[tuple]:
     return sorted(deltas, key=lambda d: (-abs(d[0]), d[1]))[:top]
 
 
-def added_calls_table(title: str, stock: dict[str, int], dropin: dict[str, int], top: int = 25) -> dict:
-    """A result table (``tables`` entry) of the functions whose call counts
-    differ most, drop-in minus stock, with both totals in its note."""
-    deltas = largest_differences(stock, dropin, top)
-    rows = [[n, str(stock.get(n, 0)), str(dropin.get(n, 0)), f"{d:+d}"] for d, n in deltas if d]
-    total_s, total_d = sum(stock.values()), sum(dropin.values())
-    note = (f"Python-level calls (functions and builtins): stock {total_s}, drop-in {total_d}, "
-            f"added {total_d - total_s:+d}. Counted with cProfile over the same work; the top {top} differences.")
-    return {"title": title, "columns": ["function", "stock", "drop-in", "added"], "rows": rows, "note": note}
+def differences_table(title: str, stock: dict, dropin: dict, *, what: str, top: int = 15, digits: int = 0) -> dict:
+    """A result table (a ``tables`` entry) of the names whose ``what``
+    (calls, kernels, milliseconds) differ most, drop-in minus stock, with
+    both totals in its note; ``digits``: decimals of the values."""
+    def fmt(value: float, sign: str = "") -> str:
+        return f"{value:{sign}.{digits}f}"
 
-
-def own_time_table(title: str, stock: dict[str, float], dropin: dict[str, float], top: int = 15) -> dict:
-    """A result table of the functions with the most own time in the
-    drop-in's profiled step (cProfile's ``tottime``), next to stock's time in
-    the same function, and of the functions only the drop-in runs."""
-    names = sorted(dropin, key=lambda n: -dropin[n])[:top]
-    ours = sorted((n for n in dropin if n not in stock), key=lambda n: -dropin[n])
-    rows = [[n, f"{1e3 * stock.get(n, 0.0):.3f}", f"{1e3 * dropin[n]:.3f}"] for n in names]
-    rows += [[f"{n} (drop-in only)", "0.000", f"{1e3 * dropin[n]:.3f}"] for n in ours if n not in names]
+    rows = [[n[:90], fmt(stock.get(n, 0)), fmt(dropin.get(n, 0)), fmt(d, "+")]
+            for d, n in largest_differences(stock, dropin, top) if d]
     total_s, total_d = sum(stock.values()), sum(dropin.values())
-    only = sum(dropin[n] for n in ours)
-    note = (f"Own time under cProfile (ms, inflated by profiling): stock {1e3 * total_s:.1f}, drop-in "
-            f"{1e3 * total_d:.1f}, of which {1e3 * only:.2f} in functions stock does not run. The top {top} by "
-            "drop-in own time, then every drop-in-only function.")
-    return {"title": title, "columns": ["function", "stock ms", "drop-in ms"], "rows": rows, "note": note}
+    note = (f"{what} in one profiled step: stock {fmt(total_s)}, drop-in {fmt(total_d)}, added "
+            f"{fmt(total_d - total_s, '+')}; the {top} largest differences.")
+    return {"title": title, "columns": ["name", "stock", "drop-in", "added"], "rows": rows, "note": note}

@@ -1,6 +1,7 @@
 """The driver every GPU benchmark shares: launch checks, jobs run one by
 one with progress and a time budget, errors recorded (one failing
-configuration does not hide the others), and rank 0 writing the result.
+configuration does not hide the others), and rank 0 writing the result
+into the benchmark's current result folder (:func:`save`).
 
 A benchmark supplies ``plan(args, dist, world, total_gib) -> list[Job]``
 (pure: it only builds the jobs, so the CPU tests call it with
@@ -69,6 +70,18 @@ def _short(sample: dict) -> str:
     return "(" + ", ".join(parts) + ")" if parts else ""
 
 
+def save(result: dict, out_dir, tag: str = "") -> list:
+    """Write ``result`` into ``out_dir``, replacing what it replaces
+    (``_harness.write_result``): its JSON, its Markdown and, where matplotlib
+    is installed, its figures (``plot.figures``); the paths written."""
+    from . import plot
+
+    json_path, md_path = h.write_result(result, out_dir, tag)
+    paths = [json_path, md_path, *plot.figures(result, json_path.stem, json_path.parent)]
+    print("wrote " + ", ".join(str(p) for p in paths), flush=True)
+    return paths
+
+
 def apply_summary(result: dict, summary: dict) -> None:
     for key in ("rows", "series", "timings", "tables", "bars"):
         result[key] = list(summary.get(key, []))
@@ -129,6 +142,7 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
     require_launch(name, list(sys.argv[1:] if argv is None else argv))
     import torch
 
+    import te_integration
     from testbed.dist import Dist
     from testbed.model import release_memory
 
@@ -138,7 +152,11 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
     dist = Dist()
     result = h.new_result(name, h.config_of(args, world_size=dist.world, **(extra_config or {})))
     try:
-        _stack.install_seams()
+        # installed now, so that stock and drop-in models run in the same process state whatever the
+        # order (stock modules pass through them unchanged, and the quantization counter sees both)
+        import te_integration.debug
+
+        te_integration.debug.install_seams()
         args.recipes = supported_recipes(args.recipes, result)
         total_gib = torch.cuda.get_device_properties(dist.local_rank).total_memory / 2**30
         jobs = plan(args, dist, dist.world, total_gib)
@@ -157,7 +175,6 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
     finally:
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         if dist.is_main:
-            paths = h.write_result(result, args.out, args.tag)
-            print(f"wrote {paths[0]} and {paths[1]}", flush=True)
+            save(result, args.out, args.tag)
         dist.close()
     return 1 if result["errors"] else 0

@@ -1,14 +1,18 @@
-"""The sizes, data and measurement loop of the GPU benchmarks.
+"""The sizes, data and measurement loops of the GPU benchmarks.
 
-The model is ``testbed.model.build_stack``, the builder the GPU tests use too: a
-stack of ``te.TransformerLayer`` under FSDP2, built stock or from the
-drop-ins, with bf16 params or under ``te.quantized_model_init``, optionally
-with ``te.checkpoint`` around every layer. Here it gets its sizes, depths,
-microbatches and recompute mode (``ModelSpec``), random data that is the
-same for stock and drop-in, memory probes and timed steps. Memory
-figures are rank 0's and relative to what was allocated before the model
-was built (TE keeps global state from models built earlier). Step times are
-the slowest rank's, between two ``torch.cuda.synchronize``.
+The dense model is ``testbed.model.build_stack``, the builder the GPU tests
+use too: a stack of ``te.TransformerLayer`` under FSDP2, built stock or from
+the drop-ins, with bf16 params or under ``te.quantized_model_init``,
+optionally with ``te.checkpoint`` around every layer. Here it gets its sizes,
+depths, microbatches and recompute mode (``ModelSpec``) and random data that
+is the same for stock and drop-in. The loops serve every model of
+``testbed``: :func:`measure` (the dense stack: memory probes, then timed
+steps), :func:`probe_model` (any model: memory probes of whole steps),
+:func:`paired` (models alive together, trained in turn step by step, with a
+profiled step after). Memory figures are rank 0's and relative to what was
+allocated before the model was built (TE keeps global state from models
+built earlier). Step times are the slowest rank's, between two
+``torch.cuda.synchronize``.
 
 TE, CUDA and ``te_integration`` are imported inside the functions.
 """
@@ -183,34 +187,27 @@ def make_batches(size: Size, step: int, micro: int = 1) -> list[tuple[torch.Tens
 
 
 # -- measuring ---------------------------------------------------------------------
-def install_seams() -> None:
-    """Install the drop-ins' seams now, so stock and drop-in models run in
-    the same process state whatever the order (stock modules pass through
-    them unchanged, and the quantization counter sees both)."""
-    import te_integration
-
-    te_integration.install_seams()
-
-
 def seams_for(managed: bool) -> None:
     """Before a timed step or block: the seams installed for a drop-in, and
     taken out for stock TE, so stock runs TE's code untouched (timing
     benchmarks only: the quantization counter needs them installed)."""
-    import te_integration
+    from te_integration.debug import install_seams, uninstall_seams
 
     if managed:
-        te_integration.install_seams()
+        install_seams()
     else:
-        te_integration.uninstall_seams()
+        uninstall_seams()
 
 
 class Probe:
     """Synchronizing memory marks for one step: before and after the first
     microbatch's forward and backward, after every layer's forward (forward
-    hooks; recompute passes in backward are not recorded), after the step."""
+    hooks; recompute passes in backward are not recorded), after the step.
+    ``peak_from_start``: the allocator's peak is reset at the first mark, so
+    that :meth:`peak_over_start` is the step's own."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, peak_from_start: bool = False) -> None:
+        self.model, self.peak_from_start = model, peak_from_start
         self.marks: list[int] = []
         self.points: dict[str, int] = {}
         #: Live workspace bytes at each mark, and the leftovers after the
@@ -226,6 +223,8 @@ class Probe:
 
     def mark(self, name: str) -> None:
         self.points[name] = allocated()
+        if name == "pre_fwd" and self.peak_from_start:
+            torch.cuda.reset_peak_memory_stats()
         import te_integration as ti
 
         report = ti.workspace_report(self.model)
@@ -237,6 +236,9 @@ class Probe:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def peak_over_start(self) -> int:
+        return torch.cuda.max_memory_allocated() - self.points["pre_fwd"]
 
     def figures(self, baseline: int) -> dict:
         p = self.points
@@ -380,35 +382,115 @@ def prime(recipes: list[str], dist) -> None:
             measure(spec, Steps(warmup=1, probe=1, timed=1), dist)
 
 
-def profile_round(models: dict, opts: dict, recipes: dict, specs: dict[str, ModelSpec], batches) -> dict:
-    """One more step of the stock and drop-in models under cProfile (seams
-    as in the timed rounds): Python-level calls and own time per function,
-    per model (:func:`benchmarks._profile.profile_step`)."""
-    from ._profile import profile_step
+def quantizer_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the TE modules' recipe state (``fp8_meta``: scales, amax
+    histories), each storage once. It lives from the first FP8 forward on,
+    so memory over the build baseline holds it; bf16 models have none."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        for state in (meta.values() if isinstance(meta, dict) else ()):
+            for value in (vars(state).values() if hasattr(state, "__dict__") else ()):
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
+def probe_step(model, opt, recipe, batches, baseline: int) -> tuple[dict, list[float]]:
+    """One probed step of any model: :meth:`Probe.figures` with the per-layer
+    rise in MiB per block, the peak over the step's start, quantizations
+    and cached workspaces; and the step's losses."""
+    probe = Probe(model, peak_from_start=True)
+    try:
+        with QuantizationCounter() as counter, record_workspaces(model):
+            losses = run_step(model, opt, recipe, batches, probe)
+        peak = probe.peak_over_start()
+    finally:
+        probe.close()
+    fig = probe.figures(baseline)
+    rise = fig["fwd_kib_per_layer"]
+    return {"fwd_rise_mib_per_block": None if rise is None else rise / 1024, "held_mib": fig["fwd_total_mib"],
+            "peak_over_start_mib": peak / MIB, "after_bwd_mib": fig["kept_after_bwd_mib"],
+            "after_step_mib": fig["after_step_mib"], "workspace_after_fwd_mib": fig["workspace_after_fwd_mib"],
+            "leftover_workspaces": fig["leftover_workspaces"], "quantizations": counter.count,
+            "cached_workspaces": cached_workspaces(model)}, [float(v) for v in losses]
+
+
+def probe_model(build, recipe_name: str, batches_for, steps: Steps) -> dict:
+    """Build a model (``build()``), train ``steps.warmup`` steps, then probe
+    ``steps.probe`` steps (:func:`probe_step`); the mean of each figure, each
+    probe, the recipe state and the losses of every step. Memory after the
+    step is over what was allocated before the model was built; the other
+    figures are over the step's start. The seams stay installed (stock
+    modules pass through them unchanged): the quantization counter needs them."""
+    release_memory()
+    baseline = allocated()
+    t0 = time.perf_counter()
+    model = build()
+    opt = optimizer_for(model)
+    build_s = time.perf_counter() - t0
+    recipe = make_recipe(recipe_name)
+    losses: list[float] = []
+    probes: list[dict] = []
+    try:
+        for step in range(steps.warmup + steps.probe):
+            batches = batches_for(step)
+            if step < steps.warmup:
+                losses += [float(v) for v in run_step(model, opt, recipe, batches)]
+                continue
+            figures, step_losses = probe_step(model, opt, recipe, batches, baseline)
+            probes.append(figures)
+            losses += step_losses
+        means = {key: _mean([p[key] for p in probes]) for key in {k for p in probes for k in p}}
+        return {**means, "quantizations_per_step": [p["quantizations"] for p in probes],
+                "quantizer_state_mib": quantizer_state_bytes(model) / MIB, "probes": probes, "losses": losses,
+                "build_s": build_s, "baseline_mib": baseline / MIB}
+    finally:
+        del model, opt
+        release_memory()
+
+
+def _mean(values: list) -> float | None:
+    """The mean of the numbers among ``values`` (None where there are none)."""
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def profile_pair(models: dict, opts: dict, recipes: dict, batches, *, kernels: bool = False) -> dict:
+    """One step of the stock and the drop-in models after the timed rounds
+    (seams as in them), profiled: Python-level calls per function (cProfile)
+    and, with ``kernels``, CUDA kernels, launches and GPU busy time
+    (torch.profiler) of a second step (``_profile``)."""
+    from ._profile import kernel_profile, profile_step
 
     out = {}
     for label in ("stock", "dropin"):
-        seams_for(specs[label].managed)
-        torch.cuda.synchronize()
-        out[label] = profile_step(lambda: run_step(models[label], opts[label], recipes[label], batches))
+        seams_for(label == "dropin")
+        step = lambda label=label: run_step(models[label], opts[label], recipes[label], batches)  # noqa: E731
+        step()  # the same state for every profiler: one step after the timed rounds
+        found = kernel_profile(step) if kernels else {}
+        host = profile_step(step)
+        out[label] = {**found, "calls": host["calls"], "python_calls": sum(host["calls"].values())}
     return out
 
 
-def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool = False) -> dict:
-    """Build every model of ``specs`` ({label: spec}) and train them in turn
-    (:func:`take_turns`). With ``profile``, one more step of stock and
-    drop-in is counted (:func:`profile_round`)."""
+def paired(builders: dict, recipe_name: str, batches_for, steps: Steps, dist, *, profile: bool = False,
+           kernels: bool = False) -> dict:
+    """Build every model of ``builders`` ({label: build()}, alive together;
+    a label starting with ``stock`` is stock TE) and train them in turn
+    (:func:`take_turns`). With ``profile``, one more step of ``stock`` and
+    ``dropin`` is profiled (:func:`profile_pair`)."""
     release_memory()
-    models = {label: build(spec) for label, spec in specs.items()}
+    models = {label: build() for label, build in builders.items()}
     opts = {label: optimizer_for(model) for label, model in models.items()}
-    recipes = {label: make_recipe(spec.recipe) for label, spec in specs.items()}
-    size = next(iter(specs.values())).size
+    recipes = {label: make_recipe(recipe_name) for label in models}  # one recipe object per model
     try:
-        result = take_turns(models, opts, recipes, {label: spec.managed for label, spec in specs.items()},
-                            lambda step: make_batches(size, step, steps.micro), steps, dist)
-        result["specs"] = {label: spec.as_dict() for label, spec in specs.items()}
+        result = take_turns(models, opts, recipes, {label: not label.startswith("stock") for label in models},
+                            batches_for, steps, dist)
         if profile:  # after the timed rounds: profiling must not touch them
-            result["profile"] = profile_round(models, opts, recipes, specs, make_batches(size, 10_000, steps.micro))
+            result["profile"] = profile_pair(models, opts, recipes, batches_for(10_000), kernels=kernels)
         return result
     finally:
         seams_for(True)
@@ -416,16 +498,28 @@ def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool 
         release_memory()
 
 
+def paired_times(specs: dict[str, ModelSpec], steps: Steps, dist, profile: bool = False) -> dict:
+    """:func:`paired` for dense stacks ({label: spec}, one size and recipe)."""
+    first = next(iter(specs.values()))
+    result = paired({label: (lambda spec=spec: build(spec)) for label, spec in specs.items()}, first.recipe,
+                    lambda step: make_batches(first.size, step, steps.micro), steps, dist, profile=profile)
+    result["specs"] = {label: spec.as_dict() for label, spec in specs.items()}
+    return result
+
+
 def take_turns(models: dict, opts: dict, recipes: dict, managed: dict[str, bool], batches_for, steps: Steps,
                dist) -> dict:
     """Train the models ({label: model}) in turn, one step each on the same
     ``batches_for(step)``: ``steps.warmup`` untimed rounds, then
     ``steps.timed`` timed ones. Each step is timed between two
-    synchronizations and reported as the slowest rank's. Drift in clocks or
-    load then hits every model alike. Stock models (``managed[label]``
-    False) step with the seams taken out (see :func:`seams_for`), so the
-    ratios compare against TE's own code; the seams come back after."""
+    synchronizations and reported as the slowest rank's; its peak over its
+    start is read after the clock stops (``step_peak_mib``: the largest over
+    the timed steps, the largest rank's). Drift in clocks or load then hits
+    every model alike. Stock models (``managed[label]`` False) step with the
+    seams taken out (see :func:`seams_for`), so the ratios compare against
+    TE's own code; the seams come back after."""
     times: dict[str, list[float]] = {label: [] for label in models}
+    peaks: dict[str, list[float]] = {label: [] for label in models}
     losses: dict[str, list[float]] = {label: [] for label in models}
     try:
         for step in range(steps.warmup + steps.timed):
@@ -435,12 +529,17 @@ def take_turns(models: dict, opts: dict, recipes: dict, managed: dict[str, bool]
             for label in labels[step % len(labels):] + labels[:step % len(labels)]:
                 seams_for(managed[label])
                 torch.cuda.synchronize()
+                start = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 step_losses = run_step(models[label], opts[label], recipes[label], batches)
                 torch.cuda.synchronize()
                 if step >= steps.warmup:
                     times[label].append(time.perf_counter() - t0)
+                    peaks[label].append((torch.cuda.max_memory_allocated() - start) / MIB)
                 losses[label] += [float(v) for v in step_losses]
     finally:
         seams_for(True)
-    return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()}, "losses": losses}
+    return {"step_time_s": {label: dist.max_over_ranks(t) for label, t in times.items()},
+            "step_peak_mib": {label: max(dist.max_over_ranks(p), default=0.0) for label, p in peaks.items()},
+            "losses": losses}

@@ -14,9 +14,10 @@ transpose removed, ``testbed.freshness.reference_reset``), the drop-in
 
 Rows: the drop-in's loss curve equals the reference's bit for bit; final
 losses; then step time, the drop-in against stock with a stock-again
-control, the models stepping in turn; and the drop-in's step task alone
-(what the fix costs: one FP8 transpose per weight per step), timed over
-200 calls. ``series``: the loss per step, which
+control, the models stepping in turn; and the work of the drop-in's step
+task alone (what the fix costs: TE's ``_reset_caches()`` and one FP8
+transpose per weight per step, made here by ``testbed.freshness.reference_reset``
+on the drop-in's weights), timed over 200 calls. ``series``: the loss per step, which
 ``python3 -m benchmarks.plot`` draws.
 """
 
@@ -29,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from . import _harness as h
+from ._runner import save
 
 NAME = "fp8_params"
 RECIPES = ("DelayedScaling", "Float8CurrentScaling")
@@ -42,8 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=h.positive_int, help="training steps per variant (default 300)")
     p.add_argument("--timed", type=h.positive_int, help="timed steps per model, in turn (default 100)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one step of stock and of the drop-in under cProfile (tables of added calls "
-                        "and own host time per function)")
+                   help="also profile one step of stock and of the drop-in under cProfile (the functions whose "
+                        "call counts differ)")
     return p
 
 
@@ -160,26 +162,34 @@ def step_times(recipe_name: str, timed: int) -> dict[str, list[float]]:
 
 
 def step_task_seconds(recipe_name: str, calls: int = 200) -> tuple[float, int]:
-    """Seconds one optimizer step's freshness task takes for the drop-in
-    model (TE's ``_reset_caches`` and transpose kernel per quantized weight,
-    synchronized), and how many weights it remade: what D12 adds to a step."""
+    """Seconds the binding adds to an optimizer step of the drop-in model
+    (its step hook: TE's ``_reset_caches`` and transpose kernel per
+    quantized weight, synchronized), and how many per-tensor FP8 weights the
+    model has: what D12 adds to a step. Timed through a ``torch.optim``
+    optimizer that holds the model's parameters and updates none of them (no
+    gradients), against the same over the stock model's parameters, whose
+    steps the hook passes over."""
     import torch
 
-    from te_integration.runtime import _freshness
     from testbed.recipes import make_recipe
 
     recipe, target = make_recipe(recipe_name), teacher()
-    trainer = Trainer("dropin", recipe)
+    trainers = [Trainer(variant, recipe) for variant in ("dropin", "stock")]
     for s in range(3):
-        trainer.step(*batch(s, target))
-    modules = [m for m in trainer.model.modules() if any(True for _ in m.parameters(recurse=False))]
-    weights = sum(1 for m in modules for p in m.parameters(recurse=False) if _freshness.is_per_tensor(p))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        _freshness._refresh_tracked(modules)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls, weights
+        for trainer in trainers:
+            trainer.step(*batch(s, target))
+    seconds = []
+    for trainer in trainers:
+        idle = torch.optim.SGD(list(trainer.model.parameters()), lr=0.0)
+        idle.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            idle.step()
+        torch.cuda.synchronize()
+        seconds.append((time.perf_counter() - start) / calls)
+    weights = sum(1 for p in trainers[0].model.parameters() if hasattr(p, "_transpose_invalid"))
+    return seconds[0] - seconds[1], weights
 
 
 def profile_tables(recipe_name: str) -> list[dict]:
@@ -188,7 +198,7 @@ def profile_tables(recipe_name: str) -> list[dict]:
     extra host time goes."""
     from testbed.recipes import make_recipe
 
-    from ._profile import added_calls_table, own_time_table, profile_step
+    from ._profile import differences_table, profile_step
 
     recipe, target = make_recipe(recipe_name), teacher()
     trainers = {v: Trainer(v, recipe) for v in ("stock", "dropin")}
@@ -196,14 +206,11 @@ def profile_tables(recipe_name: str) -> list[dict]:
         for trainer in trainers.values():
             trainer.step(*batch(s, target))
     x, y = batch(3, target)
-    # The drop-in first, straight after its own warm-up step: as in a run of
-    # one model, no other optimizer has moved the step generation since.
+    # The drop-in first, straight after its own warm-up step.
     got = {v: profile_step(lambda t=trainers[v]: t.step(x, y)) for v in ("dropin", "stock")}
     case = f"{recipe_name}, FP8 params + FusedAdam"
-    return [added_calls_table(f"Where the host time goes: {case}, one step", got["stock"]["calls"],
-                              got["dropin"]["calls"]),
-            own_time_table(f"Own host time per function: {case}, one step", got["stock"]["own_by"],
-                           got["dropin"]["own_by"])]
+    return [differences_table(f"Where the host time goes: {case}, one step", got["stock"]["calls"],
+                              got["dropin"]["calls"], what="Python-level calls")]
 
 
 def rows_for(recipe_name: str, losses: dict, times: dict, task: tuple[float, int]) -> list[dict]:
@@ -233,6 +240,11 @@ def series_for(recipe_name: str, losses: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fp8_params needs a CUDA GPU and TransformerEngine 2.20.x; nothing measured.")
+        return 2
     result = h.new_result(NAME, h.config_of(args, width=WIDTH, layers=LAYERS, batch=BATCH, lr=LR))
     start = time.perf_counter()
     for recipe_name in args.recipes:
@@ -248,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{losses['reference'][-1]:.4f}, drop-in {losses['dropin'][-1]:.4f}, bf16 {losses['bf16'][-1]:.4f}",
                   flush=True)
     result["wall_s"] = time.perf_counter() - start
-    json_path, md_path = h.write_result(result, args.out, args.tag)
-    print(f"wrote {json_path} and {md_path}")
+    save(result, args.out, args.tag)
     return 0 if all(r["ok"] is not False for r in result["rows"] if r["metric"] != "median step time") else 1
 
 

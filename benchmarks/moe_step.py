@@ -14,15 +14,15 @@ the first, False after) and parameter kind (bf16, or made under
 ``quantized_model_init``):
 
   timing   stock, drop-in and stock again (the control), alive together and
-           stepped in turn; median step time over ``--steps`` rounds. Target:
-           drop-in / stock at most 1.02 with one microbatch, 1.03 with more.
+           stepped in turn; median step time over ``--steps`` rounds and the
+           median of per-round ratios with its spread. Target: drop-in /
+           stock at most 1.02 with one microbatch, 1.03 with more.
   profile  after the timed rounds, one more step of stock and of the drop-in
            under torch.profiler (CUDA kernels and launch calls per step, GPU
-           busy time: the kernels' summed durations; tables of the kernels
-           whose counts and times differ most) and one under cProfile
-           (Python-level calls per step; tables of the functions whose call
-           counts differ most and of the drop-in's own time by function).
-           Target: the drop-in launches no more kernels than stock.
+           busy time: the kernels' summed durations) and one under cProfile
+           (Python-level calls per step), with the kernels, kernel times and
+           functions that differ most. Target: the drop-in launches no more
+           kernels than stock.
   memory   bf16, stock and the drop-in, each alone: forward-held memory of the
            first microbatch (after its forward minus before), memory after
            the step (over what was allocated before the model was built) and
@@ -45,14 +45,14 @@ import sys
 from collections.abc import Sequence
 
 from . import _harness as h
-from . import _moe_step as run
-from ._moe_step import ORDER
-from ._profile import added_calls_table, largest_differences, own_time_table
+from ._profile import differences_table
 from ._runner import Job, gpu_main
 
 NAME = "moe_step"
 PARAMS = ("bf16", "quantized")
 SECTIONS = ("timing", "profile", "memory")
+#: The models of a timed case, in their first round's order; the second stock is the control.
+ORDER = ("stock", "dropin", "stock_again")
 DEFAULTS = {
     "recipes": (list(h.RECIPES), ["Float8CurrentScaling"]),
     "microbatches": ([1, 4], [4]),
@@ -90,9 +90,6 @@ class Case:
     def name(self) -> str:
         quantized = ", quantized params" if self.params == "quantized" else ""
         return f"{self.layers}L E{self.experts} {self.hidden}/{self.ffn} {self.recipe} x{self.micro}{quantized}"
-
-    def time_limit(self) -> float:
-        return TIME_LIMIT[1] if self.micro == 1 else TIME_LIMIT["more"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -132,6 +129,45 @@ def estimate_seconds(case: Case, steps: int, models: int) -> float:
     return models * (1.0 + params / 4e8 + steps * (case.micro * gemm_s + params * 16 / 3e12))
 
 
+# -- on the GPU ---------------------------------------------------------------------
+def build(case: Case, variant: str):
+    """The stack of ``case`` as ``variant`` (bf16, stock, dropin), from seed 0."""
+    from testbed.moe_mlp import build_moe_mlp_stack
+    from testbed.recipes import make_recipe
+
+    fp8 = variant != "bf16"
+    return build_moe_mlp_stack(case.layers, case.experts, case.hidden, case.ffn,
+                               recipe=make_recipe(case.recipe) if fp8 else None, managed=variant == "dropin",
+                               quantized_params=fp8 and case.params == "quantized")
+
+
+def batches(case: Case, step: int) -> list:
+    """Inputs and targets of one step, the same for every model."""
+    from testbed.model import random_pair, rank
+
+    return [random_pair(5_000 + 1_000 * step + 10 * m + rank(), (case.tokens, case.hidden)) for m in range(case.micro)]
+
+
+def timed(case: Case, args: argparse.Namespace, dist) -> dict:
+    """Stock, drop-in and stock again in turn, then the profiled steps (``_stack.paired``)."""
+    from ._stack import Steps, paired
+
+    builders = {label: (lambda v="dropin" if label == "dropin" else "stock": build(case, v)) for label in ORDER}
+    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps if "timing" in args.sections else 0,
+                  micro=case.micro)
+    result = paired(builders, case.recipe, lambda step: batches(case, step), steps, dist,
+                    profile="profile" in args.sections, kernels=True)
+    return result if "timing" in args.sections else {"profile": result["profile"]}
+
+
+def memory(case: Case, variant: str, warmup: int) -> dict:
+    """One model alone: ``warmup`` steps, then one probed step (``_stack.probe_model``)."""
+    from ._stack import Steps, probe_model
+
+    return probe_model(lambda: build(case, variant), case.recipe if variant != "bf16" else "bf16",
+                       lambda step: batches(case, step), Steps(warmup=warmup, probe=1, timed=0))
+
+
 def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[Job]:
     """Per case its timed job, then its memory jobs: stock and the drop-in,
     and bf16 once per microbatch count (its memory depends on nothing else)."""
@@ -140,7 +176,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
         meta = {"case": case.name(), "spec": dataclasses.asdict(case)}
         if "timing" in args.sections or "profile" in args.sections:
             jobs.append(Job(label=f"[timing] {case.name()}", meta={**meta, "section": "timing"},
-                            run=lambda c=case: run.timed(c, args, dist),
+                            run=lambda c=case: timed(c, args, dist),
                             estimate_s=estimate_seconds(case, args.warmup + args.steps + 3, len(ORDER))))
         if "memory" not in args.sections:
             continue
@@ -148,7 +184,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
         bf16_done.add(case.micro)
         jobs += [Job(label=f"[memory] {case.name()} {variant}", spec=case,
                      meta={**meta, "section": "memory", "variant": variant},
-                     run=lambda c=case, v=variant: run.memory(c, v, args.warmup),
+                     run=lambda c=case, v=variant: memory(c, v, args.warmup),
                      estimate_s=estimate_seconds(case, args.warmup + 1, 1)) for variant in variants]
     return jobs
 
@@ -156,11 +192,11 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
 # -- summary (pure: samples in, rows and tables out) ------------------------------
 def summarize(samples: list[dict], args=None) -> dict:
     rows, timings, tables = [], [], []
-    memory: dict[str, dict] = {}
+    memory_cases: dict[str, dict] = {}
     bf16 = {s["spec"]["micro"]: s for s in samples if s["section"] == "memory" and s["variant"] == "bf16"}
     for s in samples:
         if s["section"] == "memory" and s["variant"] != "bf16":
-            memory.setdefault(s["case"], {"bf16": bf16.get(s["spec"]["micro"])})[s["variant"]] = s
+            memory_cases.setdefault(s["case"], {"bf16": bf16.get(s["spec"]["micro"])})[s["variant"]] = s
     for s in samples:
         if s["section"] != "timing":
             continue
@@ -170,8 +206,8 @@ def summarize(samples: list[dict], args=None) -> dict:
                      "samples_ms": [1e3 * v for v in times]} for label, times in s.get("step_time_s", {}).items()]
         if s.get("profile"):
             rows += profile_rows(s)
-            tables += [kernel_table(s), *kernel_time_table(s), *host_tables(s)]
-    for case, variants in memory.items():
+            tables += profile_tables(s)
+    for case, variants in memory_cases.items():
         rows += memory_rows(case, variants)
     return {"rows": rows, "timings": timings, "tables": tables}
 
@@ -204,41 +240,16 @@ def profile_rows(sample: dict) -> list[dict]:
             h.ratio_row(case, "Python-level calls per step", "", st["python_calls"], dr["python_calls"], limit=None)]
 
 
-def kernel_table(sample: dict, top: int = 12) -> dict:
-    """The kernels whose counts per step differ most, drop-in minus stock."""
-    st, dr = sample["profile"]["stock"]["by_kernel"], sample["profile"]["dropin"]["by_kernel"]
-    rows = [[k[:90], st.get(k, 0), dr.get(k, 0), f"{d:+d}"] for d, k in largest_differences(st, dr, top) if d]
-    return {"title": f"{sample['case']}: kernels per step, drop-in against stock",
-            "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
-            "note": f"the {top} largest differences in one profiled step"}
-
-
-def kernel_time_table(sample: dict, top: int = 12) -> list[dict]:
-    """The kernels whose summed GPU time per step differs most, drop-in
-    minus stock: where the drop-in's GPU busy time goes (none where the
-    sample predates per-kernel times)."""
-    st, dr = sample["profile"]["stock"].get("busy_by"), sample["profile"]["dropin"].get("busy_by")
-    if st is None or dr is None:
-        return []
-    rows = [[k[:90], f"{st.get(k, 0.0):.2f}", f"{dr.get(k, 0.0):.2f}", f"{d:+.2f}"]
-            for d, k in largest_differences(st, dr, top)]
-    total = sum(dr.values()) - sum(st.values())
-    return [{"title": f"{sample['case']}: GPU time per kernel (ms per step), drop-in against stock",
-             "columns": ["kernel", "stock", "drop-in", "added"], "rows": rows,
-             "note": f"the {top} largest differences in one profiled step; GPU busy added in all: {total:+.2f} ms"}]
-
-
-def host_tables(sample: dict) -> list[dict]:
-    """Where the host time of the profiled step goes: the functions whose
-    Python-level call counts differ most, and the drop-in's own time by
-    function (none where the sample predates these fields)."""
-    st, dr = sample["profile"]["stock"], sample["profile"]["dropin"]
-    if "calls_by" not in st or "calls_by" not in dr:
-        return []
-    case = sample["case"]
-    return [added_calls_table(f"{case}: Python-level calls per step, drop-in against stock", st["calls_by"],
-                              dr["calls_by"], top=20),
-            own_time_table(f"{case}: own time per function in the profiled step", st["own_by"], dr["own_by"])]
+def profile_tables(sample: dict, top: int = 10) -> list[dict]:
+    """Where the drop-in's step differs from stock's: the kernels whose
+    counts and GPU times differ most, and the functions whose Python-level
+    call counts do (a table only where the sample holds its figures)."""
+    st, dr, case = sample["profile"]["stock"], sample["profile"]["dropin"], sample["case"]
+    tables = [("by_kernel", "kernels per step", "CUDA kernels", 0), ("busy_by", "GPU time per kernel (ms per step)",
+                                                                      "GPU busy ms", 2),
+              ("calls", "Python-level calls per step", "Python-level calls", 0)]
+    return [differences_table(f"{case}: {title}, drop-in against stock", st[key], dr[key], what=what, top=top,
+                              digits=digits) for key, title, what, digits in tables if key in st and key in dr]
 
 
 def memory_rows(case: str, variants: dict) -> list[dict]:
@@ -246,15 +257,16 @@ def memory_rows(case: str, variants: dict) -> list[dict]:
     if dr is None:
         return []
     b, s = base or {}, st or {}
-    held_bound = b["held_mib"] + BF16_SLACK_MIB if base else None
-    step_bound = b["after_step_mib"] + BF16_SLACK_MIB + dr["recipe_state_mib"] if base else None
     rows = [h.ratio_row(case, "forward-held, first microbatch", "MiB", s.get("held_mib"), dr["held_mib"],
                         limit=None, bf16=b.get("held_mib")),
             h.ratio_row(case, "after the step (over before build)", "MiB", s.get("after_step_mib"),
                         dr["after_step_mib"], limit=None, bf16=b.get("after_step_mib")),
-            h.ratio_row(case, "peak over the step's start", "MiB", s.get("peak_mib"), dr["peak_mib"], limit=None,
-                        bf16=b.get("peak_mib"), note="reported; no target")]
+            h.ratio_row(case, "peak over the step's start", "MiB", s.get("peak_over_start_mib"),
+                        dr["peak_over_start_mib"], limit=None, bf16=b.get("peak_over_start_mib"),
+                        note="reported; no target")]
     if base:
+        held_bound = b["held_mib"] + BF16_SLACK_MIB
+        step_bound = b["after_step_mib"] + BF16_SLACK_MIB + dr["quantizer_state_mib"]
         rows.append(h.bound_row(case, "forward-held <= bf16's", "MiB", dr["held_mib"], held_bound,
                                 f"<= bf16 + {BF16_SLACK_MIB:g} MiB", stock=s.get("held_mib"), bf16=b["held_mib"]))
         rows.append(h.bound_row(case, "after the step <= bf16's", "MiB", dr["after_step_mib"], step_bound,

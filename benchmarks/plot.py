@@ -5,16 +5,14 @@
 For each result ``<stem>.json`` it writes into ``--out`` (default: the
 result's own directory):
 
-- ``<stem>_ratio_<metric>.png``: drop-in/stock ratio per case for each
-  metric with a ratio (green: target met, red: missed, grey: no target),
-  with the target drawn as a line;
-- ``<stem>_<series>.png``: the line plots (memory against depth, allocated
-  memory after each soak step);
+- ``<stem>_<series>.png``: the line plots (memory against depth, loss per step);
 - ``<stem>_step_times.png``: step-time samples per case and variant (box plots);
 - ``<stem>_<bars>.png``: bar charts (quantizations per step, ns per call);
   error bars are ``errors[group]``: one list (symmetric) or ``[below, above]``.
 
-Without matplotlib it writes nothing, says so and exits 0.
+A run draws its line plots and bar charts itself, beside its result
+(``_runner.save``). Without matplotlib nothing is drawn; this command says
+so and exits 0.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from . import _harness as h
 
 MISSING = ("matplotlib is not installed: no figures written. Install it with "
            "`python3 -m pip install matplotlib` (or the project's `.[bench]` extra).")
-COLORS = {True: "#2e7d32", False: "#c62828", None: "#9e9e9e"}
 
 
 def slug(text: str) -> str:
@@ -46,39 +43,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def target_limit(target: str) -> float | None:
-    match = re.search(r"ratio\s*<=?\s*([0-9.]+)", target or "")
-    return float(match.group(1)) if match else None
-
-
-def ratio_figures(plt, result: dict, stem: str, out: Path) -> list[Path]:
-    by_metric: dict[str, list[dict]] = {}
-    for row in result.get("rows", []):
-        if row.get("ratio") is not None:
-            by_metric.setdefault(row["metric"], []).append(row)
-    paths = []
-    for metric, rows in by_metric.items():
-        fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * len(rows)))
-        ys = list(range(len(rows)))
-        ax.barh(ys, [r["ratio"] for r in rows], color=[COLORS[r["ok"]] for r in rows])
-        ax.set_yticks(ys, [r["case"] for r in rows], fontsize=7)
-        ax.invert_yaxis()
-        limits = {target_limit(r["target"]) for r in rows} - {None}
-        for limit in sorted(limits):
-            ax.axvline(limit, color="black", linestyle="--", linewidth=1, label=f"target {limit:.2f}")
-        ax.axvline(1.0, color="#555555", linewidth=0.5)
-        lo = min([r["ratio"] for r in rows] + [1.0])
-        hi = max([r["ratio"] for r in rows] + [1.0, *limits])
-        pad = max(0.005, 0.1 * (hi - lo))
-        ax.set_xlim(max(0.0, lo - pad), hi + pad)
-        ax.set_xlabel("drop-in / stock")
-        ax.set_title(f"{result['benchmark']}: {metric}", fontsize=10)
-        if limits:
-            ax.legend(fontsize=7, loc="lower right")
-        paths.append(_save(plt, fig, out / f"{stem}_ratio_{slug(metric)}.png"))
-    return paths
 
 
 def series_figures(plt, result: dict, stem: str, out: Path) -> list[Path]:
@@ -162,8 +126,17 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def figures(result: dict, stem: str, out: Path) -> list[Path]:
+    """The figures a result has, drawn as a run writes it: its series and
+    bar charts (none without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    return [*series_figures(plt, result, stem, out), *bar_figures(plt, result, stem, out)]
+
+
 def plot_result(path: Path, out: Path | None = None, plt=None) -> list[Path]:
-    """Every figure of one result file; the paths written."""
+    """Every figure of one result file, the step-time box plots too; the paths written."""
     plt = plt or _pyplot()
     if plt is None:
         raise RuntimeError(MISSING)
@@ -171,8 +144,8 @@ def plot_result(path: Path, out: Path | None = None, plt=None) -> list[Path]:
     out = Path(out) if out is not None else Path(path).parent
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(path).stem
-    return [*ratio_figures(plt, result, stem, out), *series_figures(plt, result, stem, out),
-            *timing_figure(plt, result, stem, out), *bar_figures(plt, result, stem, out)]
+    return [*series_figures(plt, result, stem, out), *timing_figure(plt, result, stem, out),
+            *bar_figures(plt, result, stem, out)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

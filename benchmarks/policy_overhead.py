@@ -11,10 +11,6 @@ the median time per call over the repeats, with its spread:
 - ``no-op``: a function that returns its argument (the loop and call cost);
 - ``select_policy(ctx).plan(ctx)``;
 - ``resolve_policy(ctx).plan(ctx)``: nothing pinned;
-- ``resolve_policy(ctx, pinned).plan(ctx)``: a pinned policy;
-- ``WorkspaceContext(...)`` + ``resolve_policy`` + ``plan``: building the
-  context, planned afresh;
-- ``resolve_policy`` + a plan memoized per (policy, context);
 - the binding's path per weight: a plan memoized per call shape, found by
   one dictionary lookup with a tuple key (``ModuleWorkspaceState.levers``,
   less reading the call's values; a miss builds the context and calls
@@ -32,7 +28,6 @@ Needs neither CUDA nor TransformerEngine.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import itertools
 import sys
@@ -41,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _harness as h
+from ._runner import save
 
 NAME = "policy_overhead"
 DEFAULTS = {"rounds": (10, 3), "repeats": (15, 5)}
@@ -79,20 +75,11 @@ def contexts() -> list:
 
 def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
     """name -> (function of one item, items)."""
-    from dataclasses import fields
-
-    from workspace_manager import (BackwardOverride, Microbatch, WorkspaceContext, WorkspaceLedger, plan_call,
-                                   resolve_policy, select_policy)
-
-    # A memo of plans alone, keyed by the frozen (policy, context).
-    memo = functools.lru_cache(maxsize=4096)(lambda policy, ctx: policy.plan(ctx))
+    from workspace_manager import BackwardOverride, Microbatch, plan_call, resolve_policy, select_policy
+    from workspace_manager.attribution import WorkspaceLedger
 
     def noop(item):
         return item
-
-    def build_resolve_plan(kw):
-        ctx = WorkspaceContext(**kw)
-        return resolve_policy(ctx, None).plan(ctx)
 
     # The binding's memo: the call's values as TE hands them over (a tuple
     # that hashes in C, as the binding's key does) -> its plan.
@@ -115,16 +102,10 @@ def cases(ctxs: list) -> dict[str, tuple[Callable[[Any], Any], list]]:
             raise AssertionError("recording is on")
         return item
 
-    pinned = [(ctx, select_policy(ctx)) for ctx in ctxs]
-    kwargs = [{f.name: getattr(ctx, f.name) for f in fields(ctx)} for ctx in ctxs]
     return {
         "no-op": (noop, ctxs),
         "select_policy(ctx).plan(ctx)": (lambda ctx: select_policy(ctx).plan(ctx), ctxs),
         "resolve_policy(ctx).plan(ctx)": (lambda ctx: resolve_policy(ctx).plan(ctx), ctxs),
-        "resolve_policy(ctx, pinned).plan(ctx)": (lambda item: resolve_policy(item[0], item[1]).plan(item[0]),
-                                                  pinned),
-        "WorkspaceContext(...) + resolve_policy + plan": (build_resolve_plan, kwargs),
-        "resolve_policy + memoized plan": (lambda ctx: memo(resolve_policy(ctx), ctx), ctxs),
         "binding path: plan memoized per call shape (a tuple key)": (binding_path, shapes),
         "attribution off: the seams' check per call": (attribution_off, ctxs),
     }
@@ -161,9 +142,9 @@ def context_sets(ctxs: list) -> dict[str, list]:
 
 
 def summarize(samples: list[dict]) -> dict:
-    """A table (median, IQR, min, max, minus the no-op, per training step)
-    and a bar chart of the medians (error bars: the quartiles), per context set."""
-    rows, groups, errors, labels = [], {}, {}, []
+    """A table per context set: median, IQR, min and max ns per call, less
+    the no-op, and what that adds per training step."""
+    rows = []
     for group in dict.fromkeys(s["contexts"] for s in samples):
         mine = [s for s in samples if s["contexts"] == group]
         base = next(h.spread(s["ns_per_call"])["median"] for s in mine if s["case"] == "no-op")
@@ -171,24 +152,14 @@ def summarize(samples: list[dict]) -> dict:
         for s in mine:
             st = h.spread(s["ns_per_call"])
             net = st["median"] - base if s["case"] != "no-op" else 0.0
-            per_step = [f"{net * factor * layers / 1e3:.1f}" for layers in STEP_SHAPES.values()]
-            rows.append([s["case"], group, s["n_contexts"], f"{st['median']:.0f}",
-                         f"{st['q1']:.0f}-{st['q3']:.0f}", f"{st['min']:.0f}", f"{st['max']:.0f}", f"{net:.0f}",
-                         *per_step])
-            if s["case"] not in labels:
-                labels.append(s["case"])
-            groups.setdefault(group, []).append(st["median"])
-            low, high = errors.setdefault(group, [[], []])
-            low.append(st["median"] - st["q1"])
-            high.append(st["q3"] - st["median"])
+            rows.append([s["case"], group, s["n_contexts"], f"{st['median']:.0f}", f"{st['q1']:.0f}-{st['q3']:.0f}",
+                         f"{st['min']:.0f}", f"{st['max']:.0f}", f"{net:.0f}",
+                         *[f"{net * factor * layers / 1e3:.1f}" for layers in STEP_SHAPES.values()]])
     columns = ["case", "contexts", "n", "median ns/call", "IQR ns", "min ns", "max ns", "minus no-op ns",
                *[f"us per step, {shape}" for shape in STEP_SHAPES]]
-    table = {"title": "Policy selection and planning per call (CPU)", "columns": columns, "rows": rows,
-             "note": f"Per step: (median - no-op) x {WEIGHTS_PER_LAYER} weights x layers, one microbatch "
-                     "(x2 for recompute: the first pass and the recompute pass each plan)."}
-    bars = [{"id": "ns_per_call", "title": "policy selection + planning per call (CPU)", "ylabel": "ns per call",
-             "labels": labels, "groups": groups, "errors": errors}]
-    return {"tables": [table], "bars": bars}
+    return {"tables": [{"title": "Policy selection and planning per call (CPU)", "columns": columns, "rows": rows,
+                        "note": f"Per step: (median - no-op) x {WEIGHTS_PER_LAYER} weights x layers, one "
+                                "microbatch (x2 for recompute: the first pass and the recompute pass each plan)."}]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -209,9 +180,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    result = run(args)
-    json_path, md_path = h.write_result(result, args.out, args.tag)
-    print(f"wrote {json_path} and {md_path}", flush=True)
+    save(run(args), args.out, args.tag)
     return 0
 
 

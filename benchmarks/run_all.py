@@ -1,16 +1,17 @@
-"""Every benchmark in one command, within a time budget, then the figures.
+"""Every benchmark in one command, within a time budget.
 
     python -m benchmarks.run_all [--quick] [--out DIR] [--budget SECONDS] [--archive FILE.tar.gz]
 
 Runs ``policy_overhead`` (CPU), then ``step_time``, ``fsdp2_memory``,
-``microbatch``, ``recompute``, ``soak`` and ``moe_memory``, each through
+``microbatch``, ``recompute`` and ``moe_memory``, each through
 ``torchrun --nproc_per_node=2``.
 Each benchmark gets a share of what is left of ``--budget`` (passed as its
 ``--time-budget``: configurations that no longer fit are recorded as
-skipped) and is killed 120 s after its share. Output goes to the terminal
-and to ``DIR/<name>.log``; then ``python -m benchmarks.plot`` draws every
-result, ``DIR/index.md`` lists the results, and ``--archive`` packs DIR
-into one file, easy to move off the GPU machine.
+skipped) and is killed 120 s after its share. Each writes its result where
+it does alone, ``benchmarks/results/<name>/``, replacing the one there
+(``--out DIR``: ``DIR/<name>/`` instead); its output goes to the terminal.
+``--archive`` packs what the run wrote into one file, easy to move off the
+GPU machine.
 """
 
 from __future__ import annotations
@@ -35,16 +36,15 @@ from testbed.record import REPO_ROOT
 from . import _harness as h
 
 #: name -> (share of the budget, runs under torchrun). The shares are each
-#: benchmark's measured full runtime on 2x H200 (d7db962: 14, 220, 249, 240,
-#: 160 and 179 s), so a budget that fits the sum runs everything. moe_memory's
-#: share is an estimate from its plan (about 300 s at full size), not yet measured.
+#: benchmark's measured full runtime on 2x H200 (d7db962: 14, 220, 249, 240 and
+#: 160 s), so a budget that fits the sum runs everything. moe_memory's share is an
+#: estimate from its plan (about 300 s at full size).
 BENCHMARKS = {
     "policy_overhead": (0.015, False),
     "step_time": (0.21, True),
     "fsdp2_memory": (0.23, True),
     "microbatch": (0.22, True),
     "recompute": (0.15, True),
-    "soak": (0.17, True),
     "moe_memory": (0.28, True),
 }
 STARTUP_S = 30.0  # python, torch, TE and NCCL start-up, outside a benchmark's own budget
@@ -55,13 +55,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="every benchmark's --quick (about 4 minutes in all)")
-    p.add_argument("--out", type=Path, default=h.DEFAULT_OUT, help="results directory (default: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write each result into DIR/<name>/ (default: its current result, benchmarks/results/<name>/)")
     p.add_argument("--only", type=h.csv_choices(tuple(BENCHMARKS)), default=list(BENCHMARKS),
                    help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     p.add_argument("--budget", type=float, default=None,
                    help="total seconds for all benchmarks (default 540, --quick 220)")
     p.add_argument("--nproc", type=h.positive_int, default=2, help="ranks per FSDP2 benchmark (default 2)")
-    p.add_argument("--archive", type=Path, default=None, help="write DIR as a .tar.gz here at the end")
+    p.add_argument("--archive", type=Path, default=None, help="pack every result written as a .tar.gz here")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("extra", nargs="*", help="after --: options passed to every GPU benchmark")
     return p
@@ -79,12 +80,17 @@ def command(name: str, args: argparse.Namespace, budget_s: float) -> list[str]:
     torchrun = BENCHMARKS[name][1]
     if torchrun:
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", f"--master_port={_free_port()}"]
-    cmd += ["-m", f"benchmarks.{name}", "--out", str(args.out)]
+    cmd += ["-m", f"benchmarks.{name}", "--out", str(out_dir(name, args))]
     if args.quick:
         cmd.append("--quick")
     if torchrun:
         cmd += ["--time-budget", f"{max(budget_s, 10.0):.0f}", *args.extra]
     return cmd
+
+
+def out_dir(name: str, args: argparse.Namespace) -> Path:
+    """Where benchmark ``name`` writes: its current result, or ``--out``'s subfolder."""
+    return h.RESULTS / name if args.out is None else args.out / name
 
 
 def child_env() -> dict:
@@ -95,14 +101,14 @@ def child_env() -> dict:
     return env
 
 
-def run_one(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group, echoing its output to the
-    terminal and ``log``; its exit status (124 if the group was killed at
+def run_one(cmd: list[str], timeout_s: float) -> tuple[int, float]:
+    """Run ``cmd`` in its own process group, its output echoed to the
+    terminal; its exit status (124 if the group was killed at
     ``timeout_s``: torchrun and its ranks) and duration."""
     t0 = time.perf_counter()
     killed = threading.Event()
-    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               env=child_env(), cwd=REPO_ROOT, start_new_session=True) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                          cwd=REPO_ROOT, start_new_session=True) as proc:
 
         def kill() -> None:
             killed.set()
@@ -111,12 +117,10 @@ def run_one(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
 
         watchdog = threading.Timer(timeout_s, kill)
         watchdog.start()
-        f.write(shlex.join(cmd) + "\n")
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-                f.write(line)
             rc = proc.wait()
         except BaseException:
             kill()
@@ -134,36 +138,20 @@ def share(name: str, remaining: Sequence[str], left_s: float) -> float:
     return left_s * weights[name] / sum(weights.values())
 
 
-def write_index(out: Path, outcomes: list[dict]) -> Path:
+def summary(outcomes: list[dict]) -> str:
+    """One line per benchmark run: its exit status, its time and its result's targets."""
     rows = []
     for o in outcomes:
-        stem = h.result_stem(o["name"], "quick" if o["quick"] else "")
-        path = out / f"{stem}.json"
-        counts = "-"
-        if path.is_file():
-            data = h.load_result(path)
-            c = h.summary_counts(data["rows"])
-            counts = f"{c['met']} of {c['targets']} met" + (f", {len(data['skipped'])} skipped" if data["skipped"]
-                                                           else "")
-        rows.append([o["name"], o["rc"], f"{o['seconds']:.0f}", counts, f"[{stem}.md]({stem}.md)"])
-    lines = ["# Benchmark run", "", *h.markdown_table(["benchmark", "exit", "seconds", "targets", "summary"], rows)]
-    path = out / "index.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def plot_all(out: Path) -> None:
-    from . import plot
-
-    results = sorted(p for p in out.glob("*.json") if p.is_file())
-    if results:
-        plot.main([str(p) for p in results])
+        path = o["out"] / f"{h.result_stem(o['name'], 'quick' if o['quick'] else '')}.json"
+        counts = h.summary_counts(h.load_result(path)["rows"]) if path.is_file() else None
+        rows.append([o["name"], o["rc"], f"{o['seconds']:.0f}",
+                     f"{counts['met']} of {counts['targets']} met" if counts else "no result", str(o["out"])])
+    return "\n".join(h.markdown_table(["benchmark", "exit", "seconds", "targets", "result"], rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     budget = args.budget if args.budget is not None else (220.0 if args.quick else 540.0)
-    args.out.mkdir(parents=True, exist_ok=True)
     t0, outcomes = time.perf_counter(), []
     names = [n for n in BENCHMARKS if n in args.only]
     for i, name in enumerate(names):
@@ -173,15 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== {name}: {mine:.0f} s of {left:.0f} s left ==\n$ {shlex.join(cmd)}", flush=True)
         if args.dry_run:
             continue
-        rc, seconds = run_one(cmd, args.out / f"{name}.log", mine + GRACE_S)
-        outcomes.append({"name": name, "rc": rc, "seconds": seconds, "quick": args.quick})
+        rc, seconds = run_one(cmd, mine + GRACE_S)
+        outcomes.append({"name": name, "rc": rc, "seconds": seconds, "quick": args.quick, "out": out_dir(name, args)})
     if args.dry_run:
         return 0
-    plot_all(args.out)
-    print(f"wrote {write_index(args.out, outcomes)}", flush=True)
+    print(summary(outcomes), flush=True)
     if args.archive is not None:
         with tarfile.open(args.archive, "w:gz") as tar:
-            tar.add(args.out, arcname=args.out.name)
+            for o in outcomes:
+                tar.add(o["out"], arcname=o["name"])
         print(f"wrote {args.archive}", flush=True)
     return 0 if all(o["rc"] == 0 for o in outcomes) else 1
 

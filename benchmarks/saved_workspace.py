@@ -24,28 +24,25 @@ step by step (forward and backward between two synchronizations; no
 optimizer): the median per model. Target: the drop-in holds, at the end of
 forward and at peak, at least 1 byte per parameter less than stock (D11).
 The lean model has no target; the summary says plainly whether it holds
-less than bf16 and what it costs in step time. It ends with a breakdown of
-what the second layer keeps for backward, tensor by tensor, from a
-saved-tensor hook: the lean model against bf16, and Block against current
-scaling (``_saved_tensors``).
+less than bf16 and what it costs in step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from . import _saved_tensors
+from . import _harness as h
+from ._runner import save
 from ._stack import seams_for
 
+NAME = "saved_workspace"
 MIB = 2**20
 RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 VARIANTS = ("stock", "dropin", "lean", "stock_again")
@@ -156,7 +153,8 @@ def compare_steps(models: dict, stack: Stack, recipe, steps: int) -> tuple[dict,
 
 def timed_steps(models: dict, stack: Stack, recipe, warmup: int, timed: int) -> dict[str, list[float]]:
     """The models take turns, one forward and backward each, so drift hits
-    them alike; each step between two synchronizations (input made before)."""
+    them alike (the first of a round changes from round to round); each step
+    between two synchronizations (input made before)."""
     times: dict[str, list[float]] = {label: [] for label in models}
     try:
         return _turns(models, stack, recipe, warmup, timed, times)
@@ -167,7 +165,9 @@ def timed_steps(models: dict, stack: Stack, recipe, warmup: int, timed: int) -> 
 def _turns(models: dict, stack: Stack, recipe, warmup: int, timed: int, times: dict) -> dict[str, list[float]]:
     for n in range(warmup + timed):
         x = inputs(stack, 1_000 + n)
-        for label, model in models.items():
+        labels = list(models)  # who goes first changes from round to round
+        for label in labels[n % len(labels):] + labels[:n % len(labels)]:
+            model = models[label]
             seams_for(label not in STOCK_LABELS)  # stock steps run TE's own code
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -179,31 +179,6 @@ def _turns(models: dict, stack: Stack, recipe, warmup: int, timed: int, times: d
     return times
 
 
-def layer_saved(model, stack: Stack, recipe) -> _saved_tensors.Table:
-    """What the second layer keeps for backward in one step, tensor by
-    tensor: the first one's input needs no gradient, so a Linear there
-    computes no dgrad and keeps less than the others. A TransformerLayer
-    stack runs at batch 1 here, so that no activation has a weight's shape
-    (seq x batch tokens equal the hidden size in the 2048 stack)."""
-    small = replace(stack, batch=1) if stack.layer == "transformer" else stack
-    x = inputs(small, 0)
-    try:
-        return _saved_tensors.record_saved(model[1], lambda: forward_backward(model, x, recipe))
-    finally:
-        _drop_grads(model)
-
-
-def breakdown(models: dict, stack: Stack, recipe) -> dict:
-    """{variant: the second layer's table}, or {"error": ...}: the breakdown explains
-    the memory figures and must not cost them."""
-    try:
-        return {label: layer_saved(models[label], stack, recipe)
-                for label in (("stock",) if recipe is None else ("stock", "dropin", "lean"))}
-    except Exception as err:  # noqa: BLE001  (reported in the summary)
-        print(f"breakdown not measured for {stack.name}: {type(err).__name__}: {err}", flush=True)
-        return {"error": f"{type(err).__name__}: {err}"}
-
-
 def measure(stack: Stack, recipe_name: str | None, args: argparse.Namespace) -> dict:
     from transformer_engine.common import recipe as recipes
 
@@ -212,15 +187,13 @@ def measure(stack: Stack, recipe_name: str | None, args: argparse.Namespace) -> 
     try:
         params = sum(p.numel() for p in models["stock"].parameters())
         memory, same = compare_steps(models, stack, recipe, args.steps)
-        saved = breakdown(models, stack, recipe)
         times = timed_steps(models, stack, recipe, args.warmup, args.timed)
     finally:
         del models
         gc.collect()
         torch.cuda.empty_cache()
     row = {"stack": stack.name, "recipe": recipe_name or "bf16", "params": params, "identical": same["dropin"],
-           "lean_identical": same["lean"], "control_identical": same["stock_again"], "step_times_s": times,
-           "layer_saved": saved}
+           "lean_identical": same["lean"], "control_identical": same["stock_again"], "step_times_s": times}
     for label in VARIANTS:
         row[f"{label}_held_mib"] = memory[label]["held"] / MIB
         row[f"{label}_peak_mib"] = memory[label]["peak"] / MIB
@@ -260,30 +233,6 @@ def lean_sentence(row: dict, bf16: dict | None) -> str:
     return f"{where}: {'LESS' if less else 'NOT less'} than bf16{unsafe}: {held}; {cost}."
 
 
-def breakdown_lines(rows: list[dict]) -> list[str]:
-    """Where the lean model's second layer keeps more than bf16 training's,
-    and how Block scaling's differs from current scaling's, tensor by tensor."""
-    found = {(r["stack"], r["recipe"]): r["layer_saved"] for r in rows if "layer_saved" in r}
-    if not found:
-        return []
-    lines = ["", "What the second layer keeps for backward in one step, from a saved-tensor hook (the TransformerLayer "
-             "stacks at batch 1; parameters left out):"]
-    lines += [f"{stack} {recipe}: not measured, {tables['error']}" for (stack, recipe), tables in found.items()
-              if "error" in tables]
-    saved = {key: tables for key, tables in found.items() if "error" not in tables}
-    for (stack, recipe), tables in saved.items():
-        base = saved.get((stack, "bf16"))
-        if recipe != "bf16" and base is not None:
-            lines += _saved_tensors.describe("lean", tables["lean"], "bf16", base["stock"], limit=6,
-                                             heading=f"{stack} {recipe}, ")
-    for stack in dict.fromkeys(r["stack"] for r in rows):
-        block, current = saved.get((stack, "Float8BlockScaling")), saved.get((stack, "Float8CurrentScaling"))
-        for label in ("stock", "lean") if block and current else ():
-            lines += _saved_tensors.describe(f"Block scaling {label}", block[label], f"current scaling {label}",
-                                             current[label], limit=8, heading=f"{stack}, ")
-    return lines
-
-
 def summary(rows: list[dict]) -> str:
     lines = [f"{'stack':16} {'recipe':20} {'held stock':>10} {'held ours':>9} {'held lean':>9} {'peak stock':>10} "
              f"{'peak ours':>9} {'peak lean':>9} {'ms stock':>8} {'ms ours':>8} {'ms lean':>8} {'ms ctrl':>8} "
@@ -298,25 +247,41 @@ def summary(rows: list[dict]) -> str:
                      f"{verdict(r)}")
     baselines = {r["stack"]: r for r in rows if r["recipe"] == "bf16"}
     sentences = [lean_sentence(r, baselines.get(r["stack"])) for r in rows if r["recipe"] != "bf16"]
-    return "\n".join(lines + ([""] + sentences if sentences else []) + breakdown_lines(rows))
+    return "\n".join(lines + ([""] + sentences if sentences else []))
+
+
+def target_rows(rows: list[dict]) -> list[dict]:
+    """D11's targets per stack and recipe, as result rows: outputs and
+    gradients identical to stock's (drop-in and lean), and the drop-in
+    holding at least 1 byte per parameter less than stock, at the end of
+    forward and at peak."""
+    out = []
+    for r in (r for r in rows if r["recipe"] != "bf16"):
+        case, need = f"{r['stack']} {r['recipe']}", 0.99 * r["params"] / MIB
+        out += [h.check_row(case, "outputs and gradients identical to stock: drop-in", r["identical"], "every step"),
+                h.check_row(case, "outputs and gradients identical to stock: lean", r["lean_identical"], "every step")]
+        for what in ("held", "peak"):
+            stock = r[f"stock_{what}_mib"]
+            out.append(h.bound_row(case, f"{what} from the end of forward, drop-in" if what == "held" else
+                                   "peak over the step's start, drop-in", "MiB", r[f"dropin_{what}_mib"],
+                                   stock - need, f"<= stock - 1 B/param ({stock - need:.1f})", stock=stock,
+                                   note=f"lean {r[f'lean_{what}_mib']:.1f}"))
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.saved_workspace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the 2048 transformer stack only, 5 timed steps")
+    p = h.base_parser(NAME, __doc__)
     p.add_argument("--steps", type=int, default=3, help="memory and comparison steps per model (default 3)")
     p.add_argument("--timed", type=int, default=None, help="timed steps per model (default 20, --quick 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model before the timed ones")
     p.add_argument("--stacks", default=None, help=f"comma-separated, from {', '.join(STACKS)} (default: all; "
                    "--quick: transformer)")
-    p.add_argument("--out", type=Path, default=None, help="folder for saved_workspace.json and summary.txt")
     return p
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser()
-    args = p.parse_args(argv)
+    args = h.parse_args(p, argv, {})
     args.stacks = (args.stacks or ("transformer" if args.quick else ",".join(STACKS))).split(",")
     args.timed = args.timed if args.timed is not None else (5 if args.quick else 20)
     unknown = [s for s in args.stacks if s not in STACKS]
@@ -334,22 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformer_engine.pytorch import quantization as q
 
+    result, start = h.new_result(NAME, h.config_of(args)), time.perf_counter()
     rows = []
     for name in args.stacks:
         for recipe_name in (None, *RECIPES):
             check = q.check_fp8_block_scaling_support if recipe_name == "Float8BlockScaling" else q.check_fp8_support
             if recipe_name and not check()[0]:
-                print(f"skipped {recipe_name}: {check()[1]}")
+                result["skipped"].append({"what": f"{name} {recipe_name}", "why": check()[1]})
                 continue
             rows.append(measure(STACKS[name], recipe_name, args))
-            print(summary(rows[-1:]).splitlines()[1], flush=True)
-    text = summary(rows)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        (args.out / "saved_workspace.json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
-        (args.out / "summary.txt").write_text(text + "\n")
+            if not args.quiet:
+                print(summary(rows[-1:]).splitlines()[1], flush=True)
+    result.update(samples=rows, rows=target_rows(rows), text=summary(rows), wall_s=round(time.perf_counter() - start, 1))
+    save(result, args.out, args.tag)
+    print(result["text"])
     ok = all(r["identical"] and r["lean_identical"] and verdict(r) in ("met", "baseline") for r in rows)
     return 0 if ok else 1
 

@@ -32,13 +32,16 @@ microbatch cache on by default, which is now an option: see below).
 
 ``--policy NAME`` pins a policy on the drop-in model by its ``explain``
 name, e.g. an option of the shipped policies that is off by default:
-``fsdp2_microbatch_cache`` (one quantization per weight a step instead of
-one a microbatch; with ``--microbatches``) or ``fsdp2_recompute_build_once``
-(a recompute pass's copy saved instead of rebuilt in backward; every layer
-then runs in ``te.checkpoint``, in all three models). The target is then
-<= 0.98: a default may cost memory over stock only where it buys at least
-2% of step time (docs/decisions.md). Without ``--policy``, the drop-in
-plans with its defaults.
+``keep_for_backward`` (forward's columnwise copy kept for backward, what
+``te_integration.apply_workspace_budget`` pins on the layers a budget
+holds), ``fsdp2_microbatch_cache`` (one quantization per weight a step
+instead of one a microbatch; with ``--microbatches``) or
+``fsdp2_recompute_build_once`` (a recompute pass's copy saved instead of
+rebuilt in backward; every layer then runs in ``te.checkpoint``, in all
+three models). The target is then <= 0.98: a default may cost memory over
+stock only where it buys at least 2% of step time (docs/decisions.md); each
+case also reports the step's peak against stock's. Without ``--policy``,
+the drop-in plans with its defaults.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from collections.abc import Sequence
 
 from . import _harness as h
 from ._runner import Job, gpu_main
-from ._profile import added_calls_table, own_time_table
+from ._profile import differences_table
 from ._stack import SIZES, ModelSpec, Steps, add_policy_argument, estimate_seconds, paired_times
 
 NAME = "step_time"
@@ -156,13 +159,14 @@ def dropin_time_row(case: str, sample: dict) -> dict:
 def case_rows(case: str, sample: dict) -> list[dict]:
     t, losses = sample["step_time_s"], sample["losses"]
     same = losses["dropin"] == losses["stock"] and losses["stock_again"] == losses["stock"]
-    control = h.control_row(case, t["stock"], t["stock_again"])
-    return [
-        h.check_row(case, "losses identical (stock, drop-in, stock again)", same,
-                    f"{len(losses['stock'])} steps" + ("" if same else ": they differ")),
-        dropin_time_row(case, sample),
-        control,
-    ]
+    rows = [h.check_row(case, "losses identical (stock, drop-in, stock again)", same,
+                        f"{len(losses['stock'])} steps" + ("" if same else ": they differ")),
+            dropin_time_row(case, sample), h.control_row(case, t["stock"], t["stock_again"])]
+    peak = sample.get("step_peak_mib")
+    if peak:  # what a pinned option costs in memory beside what it buys in time
+        rows.append(h.ratio_row(case, "step peak over its start (largest timed step)", "MiB", peak["stock"],
+                                peak["dropin"], limit=None, note="reported; no target"))
+    return rows
 
 
 def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> dict:
@@ -173,11 +177,8 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
                      "samples_ms": [1e3 * v for v in s["step_time_s"][label]]} for label in ORDER]
         if s.get("profile"):
             prof = s["profile"]
-            tables.append(added_calls_table(f"Where the host time goes: {s['case']}, one step",
-                                            prof["stock"]["calls"], prof["dropin"]["calls"]))
-            if "own_by" in prof["dropin"]:
-                tables.append(own_time_table(f"Own host time per function: {s['case']}, one step",
-                                             prof["stock"]["own_by"], prof["dropin"]["own_by"]))
+            tables.append(differences_table(f"Where the host time goes: {s['case']}, one step",
+                                            prof["stock"]["calls"], prof["dropin"]["calls"], what="Python-level calls"))
     return {"rows": rows, "timings": timings, "tables": tables}
 
 

@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed.attribution import disagreement
+from testbed.record import capture_env
+
+from ._harness import RESULTS, command_line, earlier_files
 
 MIB = 2**20
 
@@ -64,11 +67,11 @@ def summary_rows(report: dict) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], source: str) -> str:
+def markdown(rows: list[dict], source: str, header: str = "") -> str:
     def kinds(d: dict) -> str:
         return ", ".join(f"{k} {v:.2f}" for k, v in sorted(d.items())) or "none"
 
-    lines = [f"# Live workspace bytes through one step (from `{source}`)", "",
+    lines = [f"# Live workspace bytes through one step (from `{source}`)", "", *([header, ""] if header else []),
              "| case | peak live MiB (stock / drop-in) | alive after the step, MiB by kind: stock | drop-in "
              "| leftovers (drop-in) | worst disagreement with allocated, KiB |",
              "|---|---|---|---|---|---|"]
@@ -131,16 +134,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("report", type=Path, help="the FSDP2 worker's report JSON")
-    p.add_argument("--out", type=Path, help="output folder (default: the report's folder)")
+    p.add_argument("--out", type=Path, default=RESULTS / "timeline",
+                   help="output folder (default: benchmarks/results/timeline/, the current result, which this replaces)")
     args = p.parse_args(argv)
     if not args.report.is_file():
         p.error(f"no such report file: {args.report}")
     report = json.loads(args.report.read_text())
     if not report.get("attribution"):
         p.error(f"{args.report} has no 'attribution' runs (written by tests/gpu/_fsdp2_stack.py)")
-    out = args.out or args.report.parent
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "timeline.md").write_text(markdown(summary_rows(report), args.report.name))
+    for old in earlier_files(out, "timeline"):
+        old.unlink()
+    env = capture_env()
+    header = f"`{command_line('timeline', argv)}`; drawn at commit {str(env['commit'])[:12]}, torch {env['torch']}"
+    (out / "timeline.md").write_text(markdown(summary_rows(report), args.report.name, header))
     from .plot import MISSING, _pyplot
 
     plt = _pyplot()

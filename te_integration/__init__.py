@@ -11,65 +11,68 @@ which lists the one case not yet right); ``stale_workspaces``,
 such copies in any TE model, stock modules included. Importing
 this package needs TransformerEngine 2.20.x; it raises ImportError naming
 the installed and supported versions otherwise. See docs/te-integration.md.
+
+This module exports what a user of the drop-ins calls; ``te_integration.debug``
+holds what looking inside a run needs (a module's workspace state, why a
+plan is refused, the seams, the TE version).
 """
 
-from .te._compat import SUPPORTED as SUPPORTED_TE
-from .te._compat import VERSION as TE_VERSION
-from .te._compat import UnsupportedTEError
-from .runtime import _register  # noqa: F401  (checks TE's quantizer classes)
+from .te import _compat  # noqa: F401  (first: an unusable TE raises UnsupportedTEError here)
+from .runtime import _te_quantizers  # noqa: F401  (checks TE's quantizer classes)
 from . import kinds  # every kind's file registers its adapter (kinds/__init__)
-from .runtime._modules import convert_model, last_plans, set_workspace_policy, workspace_state
+from .runtime._modules import convert_model, last_plans, set_workspace_policy
 from .runtime._construction import managed_construction
-from .runtime._levers import Levers
-from .runtime._state import ModuleWorkspaceState
 from .runtime._foreign_patches import ForeignPatchError
 from .runtime._attribution import WorkspaceRecording, record_workspaces, workspace_report
-from .runtime._step_hook import release_step_caches
+from .runtime._model import release_step_caches
 from .runtime._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
 from .runtime._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
 from .runtime._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
-from .runtime._plan_support import recompute_mismatch_reason, unsupported_reason
-from .runtime._plan_support_ops import ops_unsupported_reason
-from .runtime._install import install as install_seams
-from .runtime._install import uninstall as uninstall_seams
-from .runtime._registry import register_with_explain
+from .runtime._kind_registry import register_with_explain
+from . import debug
+from workspace_manager.extending import moved_names
 
 register_with_explain()  # the kinds registered above, named in explain's legend
+del register_with_explain
 # The drop-in classes, each kind's public names (its file's ``__all__``), in the kinds' order.
 globals().update({name: getattr(kinds, name) for name in kinds.__all__})
 
 __all__ = [
     *kinds.__all__,
+    # converting a model, and which policy plans its calls
     "convert_model",
     "managed_construction",
     "set_workspace_policy",
     "last_plans",
-    "workspace_state",
-    "ModuleWorkspaceState",
-    "Levers",
-    "release_step_caches",
-    "release_workspaces",
+    # copies made from older weights: found, freed, watched for
     "stale_workspaces",
-    "check_stale_reads",
+    "release_workspaces",
+    "release_step_caches",
     "StaleCopy",
     "StaleKind",
-    "StaleRead",
-    "StaleReadWatch",
     "StaleWorkspaceError",
-    "apply_workspace_budget",
-    "unsupported_reason",
-    "ops_unsupported_reason",
-    "install_seams",
-    "uninstall_seams",
-    "recompute_mismatch_reason",
-    "WorkspaceBudget",
-    "BudgetEntry",
-    "BudgetChoice",
+    "check_stale_reads",
+    "StaleReadWatch",
+    "StaleRead",
+    # which quantized copies are alive, and why
     "workspace_report",
     "record_workspaces",
     "WorkspaceRecording",
-    "UnsupportedTEError",
+    # a byte budget of kept copies
+    "apply_workspace_budget",
+    "WorkspaceBudget",
+    "BudgetEntry",
+    "BudgetChoice",
+    # another library patched the functions the drop-ins hook
     "ForeignPatchError",
-    "TE_VERSION",
-    "SUPPORTED_TE",
 ]
+
+#: Names this module exported before ``debug``: they still resolve, for one
+#: release, with a DeprecationWarning naming ``te_integration.debug``.
+_MOVED = dict.fromkeys([
+    "workspace_state", "ModuleWorkspaceState", "Levers", "unsupported_reason", "ops_unsupported_reason",
+    "recompute_mismatch_reason", "install_seams", "uninstall_seams", "TE_VERSION", "SUPPORTED_TE",
+    "UnsupportedTEError",
+], "te_integration.debug")
+__getattr__, __dir__ = moved_names(__name__, _MOVED, [*__all__, "debug"])
+del moved_names

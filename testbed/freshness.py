@@ -84,7 +84,7 @@ def reference_reset(model: torch.nn.Module) -> int:
     optimizer step: returns how many transposes it invalidated or cleared."""
     from transformer_engine.pytorch.tensor.utils import clear_columnwise_cache
 
-    from workspace_manager import fsdp2_gathered_parameters
+    from workspace_manager.extending import fsdp2_gathered_parameters
 
     count = 0
     for param in model.parameters():

@@ -14,24 +14,16 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ._explain import POLICY_CHOICES, decision_table, recipe_dependent
-from ._explain_layout import TextOptions, render_json, render_text
+from ._explain import POLICY_CHOICES
+from ._explain_layout import MIN_WIDTH, explain, profile_choices
 from ._profiles import PROFILES, RECIPE_PROFILES
 
 #: The default --width: a terminal's. The plan columns fit; the quantizers
-#: that share a plan go under it where they do not fit beside it.
+#: that share a plan go on a line above it where they do not fit beside it.
 DEFAULT_WIDTH = 80
-#: Below this the plan columns of ``--full`` do not fit.
-MIN_WIDTH = 80
 #: The status of a command that SIGPIPE stopped (128 + 13), which shells and
 #: ``set -o pipefail`` scripts expect from ``explain | head``.
 BROKEN_PIPE_STATUS = 141
-
-
-def _profile_choices() -> dict[str, object]:
-    choices = dict(PROFILES)
-    choices.update(RECIPE_PROFILES)  # recipe names are accepted as aliases
-    return choices
 
 
 def _case_insensitive(what: str, names: Iterable[str]) -> Callable[[str], str]:
@@ -63,13 +55,23 @@ def _width(value: str) -> int:
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = ("explain",)
+#: The program's name when it runs as ``python -m workspace_manager`` (or from Python, ``main([...])``).
+MODULE_PROG = "python -m workspace_manager"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def program_name(argv0: str | None = None) -> str:
+    """The name the program was started by, for its usage and errors: the
+    console script's (``workspace-manager``), else ``python -m workspace_manager``."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0 or "")
+    return MODULE_PROG if name in ("", "__main__.py", "-c") or name.endswith(".py") else name
+
+
+def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workspace_manager",
+        prog=prog,
         description="Explicit lifetimes for TransformerEngine's quantized weight workspaces.",
-        epilog="Start with: python -m workspace_manager explain --policy fsdp2",
+        epilog=f"Start with: {prog} explain --policy fsdp2",
     )
     sub = parser.add_subparsers(dest="command", title="subcommands", metavar="COMMAND")
     explain = sub.add_parser("explain", help="print the decision table (policy x setting x quantizer -> plan)")
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"only this TE recipe's weight quantizer (repeatable, any case): {', '.join(RECIPE_PROFILES)}",
     )
     explain.add_argument(
-        "--quantizer", action="append", type=_case_insensitive("quantizer", _profile_choices()), metavar="PROFILE",
+        "--quantizer", action="append", type=_case_insensitive("quantizer", profile_choices()), metavar="PROFILE",
         help="only this capability profile or recipe (repeatable, any case); default: the five TE recipes. "
         f"Profiles: {', '.join(PROFILES)}",
     )
@@ -99,41 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def selected_profiles(quantizers: list[str] | None, recipes: list[str] | None) -> list:
-    """The profiles the options name, each once, in the order first named;
-    every TE recipe's when none is named."""
-    choices = _profile_choices()
-    named = [choices[n] for n in [*(recipes or []), *(quantizers or [])]]
-    if not named:
-        return list(RECIPE_PROFILES.values())
-    return list({caps.name: caps for caps in named}.values())
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    """The command on ``argv`` (default: the process's arguments, the
+    program named as it was started; given ``argv``, as ``python -m
+    workspace_manager``). Returns the exit status."""
+    parser = build_parser(program_name() if argv is None else MODULE_PROG)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. 'python -m workspace_manager explain')")
-    profiles = selected_profiles(args.quantizer, args.recipe)
-    policies = list(dict.fromkeys(args.policy)) if args.policy else None
-    rows = decision_table(profiles, policies, full=args.full)
-    if args.json:
-        return emit(render_json(rows) + "\n")
-    named = bool(args.recipe or args.quantizer)
-    options = TextOptions(width=args.width, why=args.why, merge=not args.full, capabilities=named)
-    hidden = None
-    if named and not args.full:  # the settings where the named quantizers' plans differ from another recipe's
-        rows, hidden = recipe_dependent(rows)
-    return emit(render_text(rows, options, hidden))
+        parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. '{parser.prog} explain')")
+    return emit(explain(args.policy, args.recipe, args.quantizer, full=args.full, why=args.why, width=args.width,
+                        as_json=args.json), parser.prog)
 
 
-def emit(text: str) -> int:
+def emit(text: str, prog: str = MODULE_PROG) -> int:
     """Write ``text`` to stdout; the exit status. A reader that went away
     (``explain | head``) or a full disk ends the command with a shell's
     status and no traceback: 141 as if SIGPIPE stopped it, or 1 with one
     line on stderr."""
     if sys.stdout is None:  # started with stdout closed (``>&-``)
-        sys.stderr.write("workspace_manager: stdout is closed; nothing was written\n")
+        sys.stderr.write(f"{prog}: stdout is closed; nothing was written\n")
         return 1
     try:
         sys.stdout.write(text)
@@ -143,7 +129,7 @@ def emit(text: str) -> int:
         return BROKEN_PIPE_STATUS
     except OSError as err:
         _discard_stdout()
-        sys.stderr.write(f"workspace_manager: could not write the output: {err.strerror or err}\n")
+        sys.stderr.write(f"{prog}: could not write the output: {err.strerror or err}\n")
         return 1
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import ContextTypeError, InvalidContextError
@@ -153,6 +153,8 @@ class BackwardOverride(enum.Enum):
 
 def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
     """Raise a ContextTypeError naming the field, the value and what is allowed."""
+    if type(value) is expected:  # the common case, decided at once: a member of the enum, a bool
+        return
     if isinstance(expected, type) and issubclass(expected, enum.Enum):
         if not isinstance(value, expected):
             # __members__, not iteration: iterating a Flag skips NONE and the combined members
@@ -172,10 +174,10 @@ def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
 
 
 def _check_fields(obj: Any) -> None:
-    for f in fields(obj):
-        expected = obj._FIELD_TYPES.get(f.name)
-        if expected is not None:
-            _require_type(type(obj).__name__, f.name, getattr(obj, f.name), expected)
+    """Every field of ``obj`` named in its class's ``_FIELD_TYPES`` has its type."""
+    owner = type(obj).__name__
+    for name, expected in obj._FIELD_TYPES.items():
+        _require_type(owner, name, getattr(obj, name), expected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +198,14 @@ class QuantizerCapabilities:
     derived_caches: bool
     """The quantized tensor keeps derived data (an FP8 transpose, derived
     columnwise blocks) in memory the quantizer allocated itself. FSDP2 frees
-    only what it allocated, so such data must be cleared explicitly."""
+    only what it allocated, so such data must be cleared explicitly.
+    Accepted without ``columnwise_derivable``, on purpose: a format whose
+    directions are storages of their own, possibly of other formats (TE's
+    hybrid), derives neither direction from the other, yet one direction's
+    storage may derive and keep data of its own; the TE binding gives a
+    hybrid its columnwise sub-quantizer's value. For other formats the two
+    claims together make FSDP2 plans clear data that never exists, and the
+    testing kit reports that it cannot check the claim."""
     requantization_safe: bool
     """Quantizing the same high-precision weight again reproduces the first
     quantization exactly (TE's ``is_requantization_safe``). False for delayed

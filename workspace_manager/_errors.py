@@ -14,6 +14,7 @@ __all__ = [
     "ContextTypeError",
     "PolicyMismatchError",
     "UnsupportedPlanError",
+    "UnknownPolicyError",
     "UnknownQuantizerError",
     "UnknownRecipeError",
     "UnknownProfileError",
@@ -55,6 +56,13 @@ class UnknownQuantizerError(WorkspaceManagerError, TypeError):
 class _NamedKeyError(KeyError):
     def __str__(self) -> str:  # KeyError's own quotes the message as a repr
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownPolicyError(WorkspaceManagerError, _NamedKeyError, ValueError):
+    """``named_policy(name)`` for a name that is no shipped policy's, in any
+    case. A :class:`ValueError`, as ``named_policy`` raised before it had a
+    class of its own, and a :class:`KeyError`, the error of a failed lookup;
+    its message names the policies and the closest one."""
 
 
 class UnknownRecipeError(WorkspaceManagerError, _NamedKeyError):

@@ -19,7 +19,7 @@ from ._plan import WorkspacePlan
 from ._policy import Policy
 from ._selection import POLICY_NAMES, named_policy
 
-__all__ = ["DecisionRow", "decision_table", "recipe_dependent", "POLICY_CHOICES", "quantizer_label", "recipe_names",
+__all__ = ["DecisionRow", "decision_table", "POLICY_CHOICES", "quantizer_label", "recipe_names",
            "ModuleKindEntry", "register_module_kind", "registered_module_kinds"]
 
 
@@ -92,33 +92,6 @@ def decision_table(
             for ctx in _contexts(policy, caps, full):
                 rows.append(DecisionRow(name, ctx, policy.plan(ctx)))
     return rows
-
-
-def _setting_key(ctx: WorkspaceContext) -> tuple:
-    """A setting of the table: the context without its quantizer and its
-    microbatch position (the positions are the rows under one heading)."""
-    return (ctx.sharding, ctx.recompute, ctx.recompute_scope, ctx.grad_enabled, ctx.input_requires_grad, ctx.weight,
-            ctx.backward_override)
-
-
-def recipe_dependent(rows: list[DecisionRow], *, full: bool = False) -> tuple[list[DecisionRow], dict[str, int]]:
-    """The rows of the settings whose plan depends on the quantizer: where
-    the TE recipes and the rows' quantizers do not all get one plan, at some
-    microbatch position (a setting keeps all its positions, for comparison).
-    Also, per policy of ``rows`` (in their order), how many settings were
-    left out because every quantizer gets the same plans there."""
-    from ._profiles import RECIPE_PROFILES
-
-    def setting(row: DecisionRow) -> tuple[str, tuple]:
-        return row.policy, _setting_key(row.context)
-
-    policies = list(dict.fromkeys(r.policy for r in rows))
-    plans: dict[tuple[str, tuple], dict[object, set[WorkspacePlan]]] = {}
-    for row in (*decision_table(RECIPE_PROFILES.values(), policies, full=full), *rows):
-        plans.setdefault(setting(row), {}).setdefault(row.context.microbatch, set()).add(row.plan)
-    alike = {key for key, positions in plans.items() if all(len(found) == 1 for found in positions.values())}
-    kept = [r for r in rows if setting(r) not in alike]
-    return kept, {policy: sum(key[0] == policy for key in alike) for policy in policies}
 
 
 def recipe_names() -> dict[str, str]:

@@ -12,12 +12,16 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ._context import RecomputePass, RecomputeScope, Sharding, WorkspaceContext
-from ._explain import DecisionRow, quantizer_label, recipe_names, registered_module_kinds
+from ._context import QuantizerCapabilities, RecomputePass, RecomputeScope, Sharding, WorkspaceContext
+from ._errors import UnknownProfileError, UnknownRecipeError
+from ._explain import DecisionRow, decision_table, quantizer_label, recipe_names, registered_module_kinds
 from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._profiles import PROFILES, RECIPE_PROFILES
+from ._selection import named_policy
 
-__all__ = ["setting_words", "plan_cells", "LEGEND", "legend_terms", "render_legend", "render_text", "render_json",
-           "group_settings", "SettingBlock", "setting_blocks", "TextOptions", "module_kinds_text"]
+__all__ = ["explain", "MIN_WIDTH", "profile_choices", "selected_profiles", "setting_words", "plan_cells", "LEGEND",
+           "legend_terms", "render_legend", "render_text", "render_json", "group_settings", "SettingBlock",
+           "setting_blocks", "TextOptions", "module_kinds_text"]
 
 
 def setting_words(ctx: WorkspaceContext) -> str:
@@ -39,11 +43,6 @@ def setting_words(ctx: WorkspaceContext) -> str:
 
 def render_json(rows: list[DecisionRow]) -> str:
     return json.dumps([r.to_dict() for r in rows], indent=1)
-
-
-def _hidden_line(count: int) -> str:
-    settings = "setting" if count == 1 else "settings"
-    return f"{count} more {settings}: every TE recipe gets the same plan (--full shows them)"
 
 
 # -- the text table ------------------------------------------------------------
@@ -71,7 +70,10 @@ _COLUMNS = ("cache", "forward", "backward", "dgrad col", "release", "param", "qu
 _INDENT = "  "
 
 #: The meaning of every term the tables print: setting words, cell values,
-#: column names. The legend joins them with "; ", so no meaning holds one.
+#: column names. Short names, not definitions: the values they name are
+#: defined in ``_context.py`` and ``_plan.py``, the policies in ``_policy.py``
+#: ([Note: where the policies are described]). The legend joins them with
+#: "; ", so no meaning holds one.
 LEGEND: dict[str, str] = {
     # settings
     "unsharded": "whole weight on each rank (one GPU, DDP, tensor parallel)",
@@ -104,6 +106,7 @@ LEGEND: dict[str, str] = {
     "release": "freed after backward",
     "param": "what a quantized parameter keeps",
     "quantizers": "those sharing the plan (blank: all)",
+    "for": "the quantizers of the row below (none: all)",
     # cell values
     "bypass": "not cached",
     "fill": "quantize and store in the cache",
@@ -310,12 +313,15 @@ def setting_blocks(
 @dataclass(frozen=True)
 class _Layout:
     """The columns' widths, the line width, whether reasons are printed,
-    and the quantizers of the policy's table (for ``all but ...``)."""
+    the quantizers of the policy's table (for ``all but ...``) and whether
+    the table has a quantizers column (else a row's quantizers go on a
+    ``for ...:`` line above it)."""
 
     widths: tuple[int, ...]
     width: int
     why: bool
     everyone: tuple[str, ...]
+    column: bool = True
 
 
 def _quantizers(names: tuple[str, ...], room: int, everyone: tuple[str, ...]) -> str:
@@ -328,46 +334,63 @@ def _quantizers(names: tuple[str, ...], room: int, everyone: tuple[str, ...]) ->
     return "all but " + ", ".join(others)
 
 
-def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
-    """A row: its key, the plan's cells and, beside them or under them where
-    they do not fit, the quantizers that share it (none where all do)."""
-    width = layout.width
+def _row_head(key: str, group: _Group, layout: _Layout) -> str:
+    """A row's key and plan cells, padded to the columns, up to the quantizers column."""
     cells = (key, *plan_cells(group.plan))
-    head = _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, layout.widths)) + "  "
-    under = _INDENT * 3
+    return _INDENT + "  ".join(c.ljust(w) for c, w in zip(cells, layout.widths)) + "  "
+
+
+def _fits_beside(key: str, group: _Group, layout: _Layout) -> bool:
+    """Whether the quantizers of a row fit beside its cells (a name per line at worst)."""
+    names = _quantizers(group.names, layout.width - len(_INDENT) * 3, layout.everyone)
+    return len(_row_head(key, group, layout)) + max(len(n) for n in names.split(", ")) + ("," in names) <= layout.width
+
+
+def _plan_lines(key: str, group: _Group, layout: _Layout) -> list[str]:
+    """A row: its key, the plan's cells and the quantizers that share it
+    (none where all do): beside the cells in the quantizers column, else on
+    a line of their own above the row, ``for ...:``, which says whose row
+    follows (below a row it would read as the next row's heading)."""
+    width = layout.width
+    head, under = _row_head(key, group, layout), _INDENT * 3
     names = _quantizers(group.names, width - len(under), layout.everyone)
     if group.names == ("all",):
         lines = [head.rstrip()]
-    elif len(head) + max(len(n) for n in names.split(", ")) + ("," in names) <= width:
+    elif layout.column and _fits_beside(key, group, layout):
         lines = _wrap(names, width, head, " " * len(head), sep=", ")
-    else:  # no room beside the plan: the quantizers go below it
-        lines = [head.rstrip()] + _wrap(names, width, under, under, sep=", ")
+    else:
+        at = " " * (len(_INDENT) + layout.widths[0] + 2)  # where the cells start
+        lines = [*_wrap(f"for {names}:", width, at, at + _INDENT * 2, sep=", "), head.rstrip()]
     if layout.why:
         for note in group.notes:
             lines += _wrap(f"why: {note}", width, under, under + "     ")
     return lines
 
 
-def _table_lines(blocks: list[SettingBlock], width: int, why: bool, everyone: tuple[str, ...]) -> list[str]:
-    """The column header, then per heading its rows; the last column's
-    name is left out of the header where it does not fit."""
+def _table_lines(blocks: list[SettingBlock], width: int, why: bool,
+                 everyone: tuple[str, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """The column header, then per heading its rows; and the columns the
+    header names. The quantizers column is there where its name fits and
+    some row's quantizers fit beside it; otherwise rows name their
+    quantizers on a ``for ...:`` line above them."""
     columns = ("", *_COLUMNS[:-1])
     widths = [len(c) for c in columns]
-    for block in blocks:
-        for key, groups in block.rows:
-            for group in groups:
-                widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
-    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "  " + _COLUMNS[-1]
-    if len(header) > width:
-        header = header[: -len(_COLUMNS[-1])].rstrip()
-    lines = [header]  # its words are indented, the headings under it are not: no rule needed
+    rows = [(key if i == 0 else "", group) for block in blocks for key, groups in block.rows
+            for i, group in enumerate(groups)]
+    for key, group in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, (key, *plan_cells(group.plan)))]
+    header = _INDENT + "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     layout = _Layout(tuple(widths), width, why, everyone)
+    column = len(header) + 2 + len(_COLUMNS[-1]) <= width and any(
+        g.names != ("all",) and _fits_beside(k, g, layout) for k, g in rows)
+    layout = _Layout(tuple(widths), width, why, everyone, column)
+    lines = [header + "  " + _COLUMNS[-1] if column else header.rstrip()]  # indented words: no rule needed
     for block in blocks:
         lines += _wrap(block.heading, width, "", _INDENT)
         for key, groups in block.rows:
             for i, group in enumerate(groups):
                 lines += _plan_lines(key if i == 0 else "", group, layout)
-    return lines
+    return lines, _COLUMNS if column else _COLUMNS[:-1]
 
 
 def _summary_lines(policy: str, width: int) -> list[str]:
@@ -411,10 +434,13 @@ def _and(names: list[str]) -> str:
 
 
 def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, capabilities: bool = False,
-                 all_but: bool = False) -> dict[str, dict[str, str]]:
+                 all_but: bool = False, columns: Iterable[str] = _COLUMNS,
+                 above: bool = False) -> dict[str, dict[str, str]]:
     """The legend's paragraphs (columns, settings, cells, quantizers): term
-    -> meaning for every term the tables of ``blocks`` print, and each
-    quantizer of ``profiles``. ``all_but``: a table lists ``all but ...``."""
+    -> meaning for every term the tables of ``blocks`` print, each column
+    their headers name (``columns``), and each quantizer of ``profiles``.
+    ``all_but``: a table lists ``all but ...``; ``above``: a row's
+    quantizers on a ``for ...:`` line above it."""
     settings: dict[str, None] = {}
     values: dict[str, None] = {}
     for block in blocks:
@@ -428,7 +454,7 @@ def legend_terms(blocks: Iterable[SettingBlock], profiles: Iterable[str], *, cap
         values["all but"] = None
     order = list(LEGEND)  # settings and cells in the legend's order, not the tables'
     return {
-        "columns": {t: LEGEND[t] for t in _COLUMNS},
+        "columns": {t: LEGEND[t] for t in (*_COLUMNS, "for") if t in columns or (t == "for" and above)},
         "settings": {t: LEGEND[t] for t in sorted(settings, key=order.index)},
         "cells": {t: _CELL_MEANINGS.get(t, LEGEND[t]) for t in sorted(values, key=order.index)},
         "quantizers": _quantizer_terms(list(dict.fromkeys(profiles)), capabilities),
@@ -450,8 +476,6 @@ _CAPABILITIES = ("columnwise_derivable", "derived_caches", "requantization_safe"
 def _profile_meaning(profile: str, capabilities: bool) -> str:
     """What a quantizer name in the table stands for; with ``capabilities``,
     the capabilities it has (the table's plans follow from them)."""
-    from ._profiles import PROFILES
-
     what = (f"TE recipe, profile {profile}" if profile in recipe_names()
             else "a profile no TE recipe selects by default")
     caps = PROFILES.get(profile)
@@ -493,39 +517,109 @@ class TextOptions:
 
 def render_legend(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
     """The one legend of the tables of ``rows``: every term they print (wrapped to the width)."""
-    return "\n".join(_render(rows, options, {})[1])
+    return "\n".join(_render(rows, options)[1])
 
 
-def _render(rows: list[DecisionRow], options: TextOptions,
-            hidden: Mapping[str, int]) -> tuple[list[str], list[str]]:
+def _render(rows: list[DecisionRow], options: TextOptions) -> tuple[list[str], list[str]]:
     """(each policy's text, the legend lines of all of them)."""
     width, blocks_of = options.width, setting_blocks(rows, merge=options.merge, why=options.why)
-    texts, all_blocks, all_but = [], [], False
-    for policy in dict.fromkeys([*hidden, *blocks_of]):  # a policy whose every row is hidden too
-        blocks = blocks_of.get(policy, [])
+    texts, all_blocks, all_but, above, columns = [], [], False, False, set()
+    for policy, blocks in blocks_of.items():
         profiles = list(dict.fromkeys(r.context.capabilities.name for r in rows if r.policy == policy))
         names = tuple(quantizer_label(p) for p in profiles)
-        table = _table_lines(blocks, width, options.why, names) if blocks else []
-        all_but |= any(line.lstrip().startswith("all but ") for line in table)
-        body = [f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]
-        if hidden.get(policy):
-            body += _wrap(_hidden_line(hidden[policy]), width, _INDENT, _INDENT)
-        texts.append("\n".join(body))
+        table, shown = _table_lines(blocks, width, options.why, names)
+        all_but |= any(line.lstrip().startswith(("all but ", "for all but ")) for line in table)
+        above |= any(line.lstrip().startswith("for ") and line.endswith(":") for line in table)
+        columns.update(shown)
+        texts.append("\n".join([f"== policy: {policy} ==", *_summary_lines(policy, width), "", *table]))
         all_blocks += blocks
     profiles = dict.fromkeys(r.context.capabilities.name for r in rows)
-    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but)
+    terms = legend_terms(all_blocks, profiles, capabilities=options.capabilities, all_but=all_but, columns=columns,
+                         above=above)
     return texts, _legend_lines(terms, width)
 
 
-def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions(),
-                hidden: Mapping[str, int] | None = None) -> str:
+def render_text(rows: list[DecisionRow], options: TextOptions = TextOptions()) -> str:
     """Per policy: its constructor and what it is for, keeps and trades; a
     heading per setting without its microbatch position, then a row per
     position (one ``mb:any`` row where they agree, with ``merge``): its plan
     once if every quantizer agrees, else one row per group of quantizers that
     agree, under each other. Then one legend of every term the tables use.
-    ``hidden``: per policy, how many settings :func:`recipe_dependent` left
-    out (said under its table).
     Lines are at most ``width`` wide, save a single word longer than a line."""
-    texts, legend = _render(rows, options, hidden or {})
+    texts, legend = _render(rows, options)
     return "\n\n".join([*texts, "\n".join(legend)]) + "\n"
+
+
+# -- explain: names in, the table out ------------------------------------------
+#: The narrowest table width: below it the plan columns of ``--full`` do not fit.
+MIN_WIDTH = 80
+
+
+def profile_choices() -> dict[str, QuantizerCapabilities]:
+    """The names ``quantizer`` accepts: every profile's, and the recipes' as aliases."""
+    return {**PROFILES, **RECIPE_PROFILES}
+
+
+def _names(what: str, given: str | Iterable[str] | None) -> list[str]:
+    """``given`` as a list of names: one name, several, or none."""
+    if given is None:
+        return []
+    names = [given] if isinstance(given, str) else list(given)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"explain: {what} must be a name or names (str); received {name!r} ({type(name).__name__})")
+    return names
+
+
+def _in_any_case(name: str, known: Mapping[str, QuantizerCapabilities], error: type[KeyError], what: str):
+    """``known``'s entry for ``name``, ignoring case; ``error`` names the choices."""
+    found = {key.lower(): value for key, value in known.items()}.get(name.lower())
+    if found is None:
+        raise error(f"{name!r} is no {what}; choose from {', '.join(known)} (any case)")
+    return found
+
+
+def selected_profiles(quantizers: Iterable[str] | None, recipes: Iterable[str] | None) -> list[QuantizerCapabilities]:
+    """The profiles the names pick (any case), each once, in the order first
+    named: the recipes, then the quantizers; every TE recipe's when none is named."""
+    named = [_in_any_case(n, RECIPE_PROFILES, UnknownRecipeError, "TE recipe") for n in recipes or []]
+    named += [_in_any_case(n, profile_choices(), UnknownProfileError, "capability profile or TE recipe")
+              for n in quantizers or []]
+    if not named:
+        return list(RECIPE_PROFILES.values())
+    return list({caps.name: caps for caps in named}.values())
+
+
+def explain(
+    policy: str | Iterable[str] | None = None,
+    recipe: str | Iterable[str] | None = None,
+    quantizer: str | Iterable[str] | None = None,
+    *,
+    full: bool = False,
+    why: bool = False,
+    width: int = 80,
+    as_json: bool = False,
+) -> str:
+    """The decision table, as ``python -m workspace_manager explain`` prints
+    it with the same options: ``policy`` (names of :data:`POLICY_NAMES`),
+    ``recipe`` (TE recipe class names) and ``quantizer`` (capability profiles
+    or recipes) narrow it, each a name or several, in any case; ``full``
+    adds the dgrad and ``backward_override`` rows and merges none; ``why``
+    prints each plan's reasons; ``width`` (at least 80) wraps the text;
+    ``as_json`` gives the rows as JSON instead. Unknown names raise
+    UnknownPolicyError, UnknownRecipeError or UnknownProfileError."""
+    policies = list(dict.fromkeys(_policy_name(n) for n in _names("policy", policy)))
+    recipes, quantizers = _names("recipe", recipe), _names("quantizer", quantizer)
+    if type(width) is not int or width < MIN_WIDTH:
+        raise ValueError(f"explain: width must be an int of at least {MIN_WIDTH} columns; received {width!r}")
+    rows = decision_table(selected_profiles(quantizers, recipes), policies or None, full=full)
+    if as_json:
+        return render_json(rows) + "\n"
+    named = bool(recipes or quantizers)
+    return render_text(rows, TextOptions(width=width, why=why, merge=not full, capabilities=named))
+
+
+def _policy_name(name: str) -> str:
+    """The shipped policy's own name for ``name`` (any case); unknown names raise."""
+    named_policy(name)  # raises UnknownPolicyError, naming the choices
+    return name.lower()

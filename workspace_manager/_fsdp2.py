@@ -48,6 +48,7 @@ Ancestors
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -57,13 +58,12 @@ from ._errors import ContextTypeError, InvalidContextError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding", "fsdp2_gathered_parameters"]
+__all__ = ["detect_fsdp2_sharding", "ShardingProbe", "probe_fsdp2_sharding", "fsdp2_gathered_parameters",
+           "FSDP2Parameter", "fsdp2_parameters"]
 
-# FSDP2's home module: torch >= 2.6, and torch 2.4/2.5.
-_FSDP2_PACKAGES = (
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed._composable.fsdp",
-)
+#: FSDP2's home module (torch >= 2.6, the package's minimum). The older path,
+#: ``torch.distributed._composable.fsdp``, re-exports it and so imports it too.
+_FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
 
 
 def detect_fsdp2_sharding(
@@ -96,7 +96,7 @@ class ShardingProbe:
     found again; it never decides the answer.
     """
 
-    __slots__ = ("_owners", "_root", "_managed", "_entries", "_count", "_single", "is_fsdp2")
+    __slots__ = ("_owners", "_root", "_managed", "_entries", "_count", "_single", "_records", "is_fsdp2")
 
     def __init__(self, owners: list[tuple[Any, Any]], root: Any, managed: dict[Any, Any],
                  mapping: Any) -> None:
@@ -110,8 +110,18 @@ class ShardingProbe:
         # The one owning (state, group), where FSDP2 keeps the lazy-init
         # flag the fast read needs; None otherwise (read in full).
         self._single = owners[0] if len(owners) == 1 and hasattr(owners[0][0], "_is_root") else None
+        self._records: tuple[FSDP2Parameter, ...] | None = None
         #: Whether FSDP2 manages the weight at all (keep or reshard).
         self.is_fsdp2 = bool(owners)
+
+    def parameters(self, module: Any) -> tuple[FSDP2Parameter, ...]:
+        """FSDP2's records of ``module``'s own parameters (the module this
+        probe was made for), found once per probe: the groups that own it
+        hold them. Empty where FSDP2 does not manage the module's weight."""
+        if self._records is None:
+            self._records = tuple(record for _, group in self._owners for record in _records_of(group)
+                                  if record.module is module)
+        return self._records
 
     def read(self) -> Sharding:
         """The sharding now: NONE when no FSDP2 group owns the weight."""
@@ -125,8 +135,7 @@ class ShardingProbe:
         single owning group decides with one attribute read."""
         entries = self._entries
         if entries is None:
-            modules = sys.modules
-            if _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules:
+            if _FSDP2_PACKAGE in sys.modules:
                 return None
             return Sharding.NONE
         if len(entries) != self._count:
@@ -140,9 +149,8 @@ class ShardingProbe:
 
     def stale(self) -> bool:
         """Whether FSDP2 state was added or removed since the probe was made."""
-        if self._entries is None:  # FSDP2 was not imported then; two dict lookups
-            modules = sys.modules
-            return _FSDP2_PACKAGES[0] in modules or _FSDP2_PACKAGES[1] in modules
+        if self._entries is None:  # FSDP2 was not imported then; one dict lookup
+            return _FSDP2_PACKAGE in sys.modules
         return len(self._entries) != self._count
 
 
@@ -206,8 +214,7 @@ def _fsdp2_api() -> SimpleNamespace | None:
     ``sys.modules`` nothing is sharded; this keeps a model without FSDP2
     from importing torch.distributed at all.
     """
-    package = next((p for p in _FSDP2_PACKAGES if p in sys.modules), None)
-    if package is None:
+    if _FSDP2_PACKAGE not in sys.modules:
         return None
     try:
         from importlib import import_module
@@ -215,8 +222,8 @@ def _fsdp2_api() -> SimpleNamespace | None:
         from torch.distributed._composable.contract import _get_registry
         from torch.distributed._composable_state import _get_module_state, _module_state_mapping
 
-        common = import_module(f"{package}._fsdp_common")
-        state = import_module(f"{package}._fsdp_state")
+        common = import_module(f"{_FSDP2_PACKAGE}._fsdp_common")
+        state = import_module(f"{_FSDP2_PACKAGE}._fsdp_state")
     except ImportError:  # a torch build without these internals
         return None
     return SimpleNamespace(
@@ -354,6 +361,75 @@ def _path_from(root: Any, module: Any) -> list[Any]:
     )
 
 
+@dataclass(frozen=True)
+class FSDP2Parameter:
+    """One parameter FSDP2 manages, read from FSDP2's own record of it
+    (``FSDPParam``): the module that registers it and the name it has
+    there, the sharded parameter an optimizer holds, and the unsharded
+    parameter FSDP2 all-gathers into. The two are read from the record at
+    each access, so they follow FSDP2 when it replaces one (a
+    ``load_state_dict(assign=True)``, FSDP2's first all-gather)."""
+
+    module: Any
+    name: str
+    #: FSDP2's ``FSDPParam``.
+    record: Any
+
+    @property
+    def sharded(self) -> Any:
+        """The sharded parameter (a DTensor): what ``model.parameters()``
+        and so an optimizer hold between steps."""
+        return self.record.sharded_param
+
+    @property
+    def unsharded(self) -> Any:
+        """The unsharded parameter, or None before FSDP2's first all-gather
+        made it; FSDP2 reuses the same object at every later all-gather."""
+        return vars(self.record).get("_unsharded_param")
+
+
+def _records_of(group: Any) -> list[FSDP2Parameter]:
+    """An :class:`FSDP2Parameter` per module registering each of ``group``'s
+    parameters (the owner, then the modules FSDP2 records as sharing it)."""
+    found = []
+    for fsdp_param in group.fsdp_params:
+        info = getattr(fsdp_param, "_module_info", None)
+        if info is None:
+            continue
+        holders = [(info.module, info.param_name),
+                   *zip(getattr(info, "shared_modules", ()), getattr(info, "shared_param_names", ()))]
+        found.extend(FSDP2Parameter(module, name, fsdp_param) for module, name in holders)
+    return found
+
+
+def fsdp2_parameters(model: torch.nn.Module | None = None) -> list[FSDP2Parameter]:
+    """FSDP2's records of the parameters of the modules in ``model`` (every
+    module FSDP2 manages in the process when None): one entry per module
+    that registers a parameter, so a parameter a wrapper shares with its
+    child is listed under both. Empty where FSDP2 was never applied.
+
+    A binding maps an optimizer's parameters (the sharded ones) to the
+    modules that compute with them (the unsharded ones) through these."""
+    import torch.nn as nn
+
+    if model is not None and not isinstance(model, nn.Module):
+        raise ContextTypeError(f"fsdp2_parameters: model must be a torch.nn.Module or None; "
+                               f"received {type(model).__name__}")
+    api = _fsdp2_api()
+    if api is None:
+        return []
+    inside = None if model is None else {id(m) for m in model.modules()}
+    found: list[FSDP2Parameter] = []
+    seen: set[int] = set()
+    for state in _distinct(_fsdp2_modules(api).values()):
+        for group in _sharded_groups(state, api):
+            if id(group) in seen:
+                continue
+            seen.add(id(group))
+            found.extend(r for r in _records_of(group) if inside is None or id(r.module) in inside)
+    return found
+
+
 def fsdp2_gathered_parameters(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
     """``(module, parameter name, tensor)`` for each unsharded parameter
     FSDP2 keeps for the modules in ``model``, whether or not its storage is
@@ -374,22 +450,9 @@ def fsdp2_gathered_parameters(model: torch.nn.Module) -> list[tuple[Any, str, An
     if not isinstance(model, nn.Module):
         raise ContextTypeError(f"fsdp2_gathered_parameters: model must be a torch.nn.Module; "
                                f"received {type(model).__name__}")
-    api = _fsdp2_api()
-    if api is None:
-        return []
-    inside = {id(m) for m in model.modules()}
-    found: list[tuple[Any, str, Any]] = []
-    seen: set[int] = set()
-    for state in _distinct(_fsdp2_modules(api).values()):
-        for group in _sharded_groups(state, api):
-            for fsdp_param in group.fsdp_params:
-                info = getattr(fsdp_param, "_module_info", None)
-                # Set by FSDP2's first all-gather (init_unsharded_param); absent before.
-                tensor = vars(fsdp_param).get("_unsharded_param")
-                if info is None or tensor is None or id(fsdp_param) in seen:
-                    continue
-                seen.add(id(fsdp_param))
-                holders = [(info.module, info.param_name),
-                           *zip(getattr(info, "shared_modules", ()), getattr(info, "shared_param_names", ()))]
-                found.extend((module, name, tensor) for module, name in holders if id(module) in inside)
+    found = []
+    for record in fsdp2_parameters(model):
+        tensor = record.unsharded  # set by FSDP2's first all-gather (init_unsharded_param); absent before
+        if tensor is not None:
+            found.append((record.module, record.name, tensor))
     return found

@@ -1,12 +1,9 @@
 """What a policy decides for one call: a :class:`WorkspacePlan`.
 
-Four decisions govern a workspace's life. A plan answers the four decisions
-in seven fields, each an enum: cache (``cache``); forward usage (``forward_usage``;
-for a quantized parameter also ``parameter_keeps``); backward
-(``backward_source``, ``columnwise_source``, and ``backward_usage``, which
-follows from the source); release (``release``). ``notes`` says why, in
-words. The statement of record is [Note: workspace lifetime] in
-``workspace_manager._policy``.
+Four decisions govern a workspace's life; which field of a plan answers
+which is said once, in [Note: workspace lifetime] in
+``workspace_manager._policy``. Each field is an enum, defined here with the
+meaning of its values; ``notes`` says why, in words.
 """
 
 from __future__ import annotations
@@ -182,7 +179,9 @@ def _check_types(plan: WorkspacePlan) -> None:
     """Each decision is its enum (a string such as ``"bypass"`` is refused
     naming the members), so that the rules below compare like with like."""
     for name, expected in _FIELD_TYPES:
-        _require_type("WorkspacePlan", name, getattr(plan, name), expected)
+        value = getattr(plan, name)
+        if type(value) is not expected:  # a member of the enum passes at once: plans are made per call
+            _require_type("WorkspacePlan", name, value, expected)
     if not isinstance(plan.notes, tuple) or not all(isinstance(note, str) for note in plan.notes):
         raise ContextTypeError(f"WorkspacePlan.notes must be a tuple of str; received {plan.notes!r}")
 

@@ -80,6 +80,18 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
 
 Bindings cite this note by its title where they act on a plan.
 
+[Note: where the policies are described]
+The docstrings of this module are the normative description of the
+shipped policies: the note above for the four decisions, each policy
+class for its policy, each option enum for its option. The other texts
+derive from them or link them, and say nothing of their own: the one-line
+summaries ``explain`` prints and the README's policy table is made of
+(``_summary.py``, a digest whose constructors come from the policies
+themselves), the words of ``explain``'s table (``_explain_layout.LEGEND``,
+short names of the plan values of ``_plan.py`` and of the call settings of
+``_context.py``), and ``docs/decisions.md``, which says where and why a
+policy's plans differ from TE's, with the figures measured.
+
 Which policy plans a call (``select_policy``, ``resolve_policy``) and the
 bindings' path to a plan (``plan_call``) live in ``_selection.py``; plan
 notes, which are presentation, in ``_notes.py``.
@@ -594,8 +606,8 @@ class RecomputeWorkspacePolicy(Policy):
     so the weight is quantized once instead of twice; only for quantizers
     that requantize exactly (with delayed scaling the pass's copy carries
     the first pass's scale, where TE's rebuild uses backward's). Trade-off:
-    +1.8 to +2.3% peak memory measured with current and block scaling, for a
-    step-time gain not measured yet (docs/decisions.md, D3).
+    more peak memory for one quantization less; docs/decisions.md, D3, has
+    the figures measured.
     """
 
     inner: Policy = field(default_factory=WorkspacePolicy)

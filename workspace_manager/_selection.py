@@ -7,8 +7,10 @@ the policies, not a decision about a workspace.
 
 from __future__ import annotations
 
+import difflib
+
 from ._context import RecomputePass, WorkspaceContext
-from ._errors import ContextTypeError
+from ._errors import ContextTypeError, UnknownPolicyError
 from ._plan import WorkspacePlan
 from ._policy import (
     DistributedWeightWorkspacePolicy,
@@ -46,13 +48,20 @@ POLICY_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
 def named_policy(name: str) -> Policy:
-    """The shipped policy called ``name`` (one of :data:`POLICY_NAMES`), e.g.
+    """The shipped policy called ``name`` (one of :data:`POLICY_NAMES`, in
+    any case, as ``explain --policy`` takes it), e.g.
     ``named_policy("fsdp2_microbatch_cache")`` to pin an option by name.
-    Raises ValueError naming the choices for any other name."""
-    try:
-        return _NAMED[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"no shipped policy is named {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
+    Any other name raises :class:`UnknownPolicyError` (a ValueError and a
+    KeyError) naming the choices and the closest one."""
+    if not isinstance(name, str):
+        raise UnknownPolicyError(f"named_policy expects a policy name (a str); received {name!r} "
+                                 f"({type(name).__name__}); choose from {', '.join(POLICY_NAMES)}")
+    policy = _NAMED.get(name.lower())
+    if policy is None:
+        close = difflib.get_close_matches(name.lower(), POLICY_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownPolicyError(f"no shipped policy is named {name!r}; choose from {', '.join(POLICY_NAMES)}{hint}")
+    return policy
 
 
 def select_policy(ctx: WorkspaceContext) -> Policy:
@@ -79,13 +88,18 @@ def resolve_policy(ctx: WorkspaceContext, pinned: Policy | None = None) -> Polic
     if not isinstance(ctx, WorkspaceContext):
         raise ContextTypeError(f"resolve_policy expects a WorkspaceContext; received {type(ctx).__name__}")
     if not isinstance(pinned, Policy):
-        raise ContextTypeError(
-            f"a pinned policy must be a Policy instance (e.g. FSDP2WorkspacePolicy()); "
-            f"received {pinned!r} ({type(pinned).__name__})"
-        )
+        raise ContextTypeError(f"a pinned policy must be a Policy instance (e.g. FSDP2WorkspacePolicy()); "
+                               f"received {pinned!r} ({type(pinned).__name__}){_by_name_hint(pinned)}")
     if ctx.recompute not in pinned.recompute_passes:
         return RecomputeWorkspacePolicy(inner=pinned)
     return pinned
+
+
+def _by_name_hint(pinned: object) -> str:
+    """For a policy's name given where a policy belongs: how to get the policy."""
+    if not isinstance(pinned, str):
+        return ""
+    return f"; for a shipped policy by its name, pass named_policy({pinned!r})"
 
 
 def plan_call(ctx: WorkspaceContext, pinned: Policy | None = None) -> WorkspacePlan:

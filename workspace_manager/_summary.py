@@ -1,38 +1,65 @@
 """One line each of what a shipped policy is for, keeps and trades.
 
-``explain`` prints these under each policy's heading and the README's policy
-table is made of them (``tests/unit/test_readme.py`` keeps the two equal),
-so the short words a newcomer reads first are the ones the code carries.
-The policies' docstrings and ``docs/decisions.md`` hold the details.
+A digest of the normative text, which is the policies' own: the docstrings
+of ``_policy.py`` (each policy class, each option enum, and [Note:
+workspace lifetime] for the four decisions). ``explain`` prints these lines
+under each policy's heading, and the README's policy table is made of them
+(``tests/unit/test_readme.py`` keeps the two equal), so the short words a
+newcomer reads first are the ones the code carries. Each entry's
+constructor is derived from the shipped policy itself (:func:`constructor`),
+and measured figures live in ``docs/decisions.md`` alone, which the option
+entries link.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from types import MappingProxyType
 
-from ._selection import POLICY_NAMES
+from ._policy import Policy
+from ._selection import POLICY_NAMES, named_policy
 
-__all__ = ["PolicySummary", "POLICY_SUMMARIES", "DECISIONS_DOC"]
+__all__ = ["PolicySummary", "POLICY_SUMMARIES", "DECISIONS_DOC", "constructor"]
 
 #: Where the deliberate differences from TE (D1 to D11) are written down.
 DECISIONS_DOC = "docs/decisions.md"
 
 
+def constructor(policy: Policy) -> str:
+    """The Python expression that builds ``policy`` (names from
+    ``workspace_manager``): its class, the policies it wraps, and the
+    options that differ from their defaults, e.g.
+    ``FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)``."""
+    args = []
+    for f in fields(policy):
+        value = getattr(policy, f.name)
+        if not f.init or (not isinstance(value, Policy) and f.default is not MISSING and value == f.default):
+            continue
+        shown = constructor(value) if isinstance(value, Policy) else (
+            f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else repr(value))
+        args.append(f"{f.name}={shown}")
+    return f"{type(policy).__name__}({', '.join(args)})"
+
+
 @dataclass(frozen=True)
 class PolicySummary:
-    """A shipped policy in four short cells. ``construct`` is the Python
-    expression that builds it (names from ``workspace_manager``); ``option``
-    names the entry of :data:`DECISIONS_DOC` of an option that is off by
-    default (None: a default, or a policy only ever pinned)."""
+    """A shipped policy in short cells: what it is ``for`` (``use``), what
+    it keeps, what it trades. ``option`` names the entry of
+    :data:`DECISIONS_DOC` of an option that is off by default (None: a
+    default, or a policy only ever pinned)."""
 
     name: str
-    construct: str
     use: str
     keeps: str
     trade_off: str
     option: str | None = None
+
+    @property
+    def construct(self) -> str:
+        """The expression that builds the shipped policy of this name."""
+        return constructor(named_policy(self.name))
 
     def lines(self) -> tuple[tuple[str, str], ...]:
         """(label, text) pairs, in the order ``explain`` prints them."""
@@ -53,49 +80,49 @@ class PolicySummary:
 
 _SUMMARIES = (
     PolicySummary(
-        "plain", "WorkspacePolicy()",
+        "plain",
         use="whole weights: one GPU, DDP, tensor parallel",
         keeps="forward's workspace until backward; with microbatches, a cached copy per weight",
         trade_off="TE's: backward quantizes nothing",
     ),
     PolicySummary(
-        "fsdp2", "FSDP2WorkspacePolicy()",
+        "fsdp2",
         use="weights sharded by FSDP2's `fully_shard`",
         keeps="nothing past the GEMM; derived columnwise data freed after backward",
         trade_off="TE's: backward quantizes the gathered weight again (per microbatch)",
     ),
     PolicySummary(
-        "recompute", "RecomputeWorkspacePolicy(inner=WorkspacePolicy())",
+        "recompute",
         use="whole weights under `te.checkpoint` or `LayerNormMLP(checkpoint=True)`",
         keeps="nothing from the first pass; the recompute pass saves what backward reads",
         trade_off="TE's: one quantization per pass",
     ),
     PolicySummary(
-        "fsdp2_recompute", "RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy())",
+        "fsdp2_recompute",
         use="`fully_shard`-ed weights under `te.checkpoint`",
         keeps="nothing: backward quantizes the gathered weight again, as TE does",
         trade_off="TE's: one quantization per pass, one more in backward",
     ),
     PolicySummary(
-        "distributed_weight", "DistributedWeightWorkspacePolicy()",
+        "distributed_weight",
         use="TE `DistributedWeight` (e.g. GTP)",
         keeps="nothing: backward gathers the weight again",
         trade_off="TE's: backward gathers and quantizes again",
     ),
     PolicySummary(
-        "lean", "LeanWorkspacePolicy()",
+        "lean",
         use="whole bf16 weights, memory scarcer than time; only pinned",
         keeps="nothing from forward to backward: backward quantizes again for dgrad",
         trade_off="one more quantization per weight per step",
     ),
     PolicySummary(
-        "keep_for_backward", "KeepForBackwardWorkspacePolicy()",
+        "keep_for_backward",
         use="`fully_shard`-ed bf16 weights, time scarcer than memory; only pinned",
         keeps="forward's columnwise copy until this layer's backward",
         trade_off="1 byte per kept parameter buys backward's quantization (`apply_workspace_budget` pins it)",
     ),
     PolicySummary(
-        "fsdp2_microbatch_cache", "FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)",
+        "fsdp2_microbatch_cache",
         use="`fully_shard(..., reshard_after_forward=False)` with microbatches",
         keeps="one workspace per weight for the step (formats that requantize exactly)",
         trade_off="a copy per weight for the step buys later microbatches' quantizations",
@@ -103,10 +130,9 @@ _SUMMARIES = (
     ),
     PolicySummary(
         "fsdp2_recompute_build_once",
-        "RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE)",
         use="`fully_shard`-ed weights under `te.checkpoint`",
         keeps="the recompute pass's columnwise copy, until that layer's backward",
-        trade_off="+1.8 to +2.3% peak (measured) buys that backward's quantization",
+        trade_off="more peak memory (measured in the option's entry) buys that backward's quantization",
         option="D3-option-recompute-pass-builds-once",
     ),
 )

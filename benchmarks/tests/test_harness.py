@@ -24,16 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _harness as h  # noqa: E402
-from benchmarks import (  # noqa: E402
-    fsdp2_memory,
-    microbatch,
-    plot,
-    policy_overhead,
-    recompute,
-    run_all,
-    soak,
-    step_time,
-)
+from benchmarks import fsdp2_memory, microbatch, plot, recompute, run_all, step_time  # noqa: E402
 from benchmarks._stack import SIZES, auto_layers  # noqa: E402
 
 try:
@@ -80,10 +71,9 @@ def test_quick_and_full_defaults_and_overrides():
     assert quick.recipes == list(h.RECIPES) and quick.inits == ["bf16", "qinit"]
     full = fsdp2_memory.parse([])
     assert full.sizes == ["leak", "realistic"] and full.steps >= 10 and full.depths == [2, 4, 8, 16]
-    assert full.out == h.DEFAULT_OUT and full.tag == ""
+    assert full.out == h.RESULTS / "fsdp2_memory" and full.tag == ""
     mine = fsdp2_memory.parse(["--quick", "--recipes", "Float8CurrentScaling", "--steps", "12", "--out", "/tmp/x"])
     assert mine.recipes == ["Float8CurrentScaling"] and mine.steps == 12 and mine.out == Path("/tmp/x")
-    assert soak.parse([]).steps == 200 and soak.parse(["--quick"]).sizes == ["leak"]
     assert microbatch.parse([]).microbatches == [4, 8]
     assert recompute.parse(["--quick"]).modes == ["nonreentrant"]
 
@@ -101,13 +91,7 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_soak_warmup_must_be_shorter_than_the_run(capsys):
-    with pytest.raises(SystemExit):
-        soak.parse(["--steps", "5", "--warmup", "5"])
-    assert "must be smaller than --steps" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("module", [fsdp2_memory, microbatch, recompute, soak])
+@pytest.mark.parametrize("module", [fsdp2_memory, microbatch, recompute, step_time])
 def test_gpu_benchmark_without_torchrun_says_how_to_launch(module, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -161,8 +145,6 @@ def test_other_plans():
     assert {j.spec.policy for j in once if j.spec.variant == "dropin"} == {"fsdp2_recompute_build_once"}
     assert {j.spec.policy for j in once if j.spec.variant != "dropin"} == {None}
     assert all(j.meta["case"].endswith("policy fsdp2_recompute_build_once") for j in once if j.spec.variant != "bf16")
-    sk = soak.plan(soak.parse([]), None, 2, 141.0)
-    assert {j.spec.size.name for j in sk} == {"realistic"} and len(sk) == 6
 
 
 # -- summaries and targets -----------------------------------------------------------
@@ -252,22 +234,6 @@ def test_recompute_summary_compares_every_case_including_step_time():
     assert times and all(r["ok"] is False for r in times)  # 20% slower misses <= 1.01
 
 
-def test_soak_flatness_needs_both_variants_under_1_mib():
-    args = soak.parse(["--quick", "--recipes", "Float8CurrentScaling"])
-    samples = []
-    for job in soak.plan(args, None, 2, 141.0):
-        grow = 0.1 if job.spec.variant == "dropin" else 0.0  # drop-in leaks 0.1 MiB a step
-        samples.append({**job.meta, "spec": job.spec.as_dict(), "variant": job.spec.variant,
-                        "allocated_after_step_mib": [100.0 + grow * i for i in range(args.steps)],
-                        "step_time_s": [0.03] * args.steps, "losses": [1.0] * args.steps, "peak_mib": 120.0})
-    summary = soak.summarize(samples, args)
-    flat = next(r for r in summary["rows"] if r["metric"].startswith("allocated after step: max - min"))
-    assert flat["ok"] is False and flat["stock"] == 0.0
-    assert flat["dropin"] == pytest.approx(0.1 * (args.steps - 1 - args.warmup))
-    assert "drift per 100 steps" in flat["note"]
-    assert summary["series"][0]["mark_x"] == args.warmup + 0.5 and len(summary["series"][0]["lines"]) == 2
-
-
 # -- output ------------------------------------------------------------------------------
 def test_json_has_config_env_samples_and_summary(tmp_path):
     args, samples = fsdp2_samples()
@@ -282,6 +248,22 @@ def test_json_has_config_env_samples_and_summary(tmp_path):
     assert len(data["samples"]) == len(samples) and data["samples"][0]["step_time_s"]
     assert data["summary"]["targets"] > 0 and data["summary"]["missed"] == 0
     assert h.load_result(json_path)["rows"] == data["rows"]
+
+
+def test_a_run_replaces_the_benchmarks_result_and_a_tagged_run_only_its_tag(tmp_path):
+    from benchmarks._runner import save
+
+    for name in ("step_time.json", "step_time_depth.png", "step_time-x4.json", "step_time-x4.md", "recompute.json",
+                 "step_timer.txt"):
+        (tmp_path / name).write_text("an earlier run")
+    result = h.new_result("step_time", {})
+    save(result, tmp_path, "x4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recompute.json", "step_time-x4.json", "step_time-x4.md",
+                                                          "step_time.json", "step_time_depth.png", "step_timer.txt"]
+    assert (tmp_path / "step_time-x4.md").read_text().startswith("# step_time")
+    save(result, tmp_path)  # untagged: the benchmark's whole result, its tags and figures included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recompute.json", "step_time.json", "step_time.md",
+                                                          "step_timer.txt"]
 
 
 def test_json_never_holds_nan(tmp_path):
@@ -334,9 +316,7 @@ def test_plot_writes_pngs_for_a_tiny_synthetic_result(tmp_path):
     json_path, _ = h.write_result(result, tmp_path, "synthetic")
     assert plot.main([str(json_path), "--out", str(tmp_path / "png")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
-    assert "fsdp2_memory-synthetic_depth_peak.png" in pngs
-    assert "fsdp2_memory-synthetic_ratio_peak_allocated_over_baseline.png" in pngs
-    assert "fsdp2_memory-synthetic_step_times.png" in pngs
+    assert "fsdp2_memory-synthetic_depth_peak.png" in pngs and "fsdp2_memory-synthetic_step_times.png" in pngs
     assert all((tmp_path / "png" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
@@ -379,9 +359,12 @@ def test_run_all_dry_run_lists_the_commands(capsys, tmp_path):
     assert run_all.main(["--quick", "--dry-run", "--out", str(tmp_path), "--", "--recipes", "DelayedScaling"]) == 0
     out = capsys.readouterr().out
     assert "-m benchmarks.policy_overhead" in out
-    for name in ("step_time", "fsdp2_memory", "microbatch", "recompute", "soak", "moe_memory"):
-        assert f"-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
-    assert out.count("--time-budget") == 6 and out.count("--recipes DelayedScaling") == 6
+    for name in ("step_time", "fsdp2_memory", "microbatch", "recompute", "moe_memory"):
+        assert "-m torch.distributed.run --nproc_per_node=2" in out and f"-m benchmarks.{name}" in out
+    assert out.count("--time-budget") == 5 and out.count("--recipes DelayedScaling") == 5
+    assert f"--out {tmp_path / 'step_time'} " in out  # --out DIR: each result in DIR/<name>/
+    run_all.main(["--quick", "--dry-run"])
+    assert f"--out {h.RESULTS / 'recompute'} " in capsys.readouterr().out  # by default: its current result
 
 
 # -- workspace attribution rows (issue 6) ------------------------------------------------------
@@ -480,6 +463,14 @@ def test_step_time_pins_an_option_on_the_drop_in_and_wants_two_percent_from_it()
         assert row["ok"] is expected and "fsdp2_microbatch_cache pinned" in row["note"], (ratio, row)
 
 
+def test_step_time_reports_the_step_peak_beside_the_time_of_a_pinned_option():
+    base = [100.0 + i % 5 for i in range(12)]
+    sample = {**_paired_sample("c", base, base, base), "policy": "keep_for_backward",
+              "step_peak_mib": {"stock": 500.0, "dropin": 640.0, "stock_again": 500.0}}
+    [peak] = [r for r in step_time.case_rows("c", sample) if r["metric"].startswith("step peak")]
+    assert (peak["stock"], peak["dropin"], peak["ratio"], peak["ok"]) == (500.0, 640.0, 1.28, None)
+
+
 def test_step_time_refuses_a_policy_that_does_not_plan_fsdp2(capsys):
     with pytest.raises(SystemExit):
         step_time.parse(["--policy", "lean"])
@@ -493,15 +484,11 @@ def test_runner_progress_line_reads_paired_times():
     assert "stock 11.00 ms" in line and "dropin 11.00 ms" in line
 
 
-def test_the_package_table_lists_every_benchmark_module():
-    import benchmarks
-
-    here = Path(benchmarks.__file__).parent
-    modules = {p.stem for p in here.glob("*.py") if not p.stem.startswith("_")}
-    listed = set(re.findall(r"^\| ``(\w+)`` \|", benchmarks.__doc__, re.M))
+def test_the_readme_table_lists_every_benchmark_module():
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+    listed = set(re.findall(r"^\| `(\w+)` \|", (ROOT / "benchmarks" / "README.md").read_text(), re.M))
     assert listed, "the table was not found"
-    # plot is named in the prose above the table: it draws, it measures nothing
-    assert modules - {"plot"} == listed
+    assert modules == listed
 
 
 def test_a_ratio_target_prints_as_many_digits_as_it_has():

@@ -1,12 +1,13 @@
-"""The step-time benchmark's call-count profile (``benchmarks/_profile.py``),
-on plain Python functions: it names the functions a variant adds."""
+"""The profiles of ``benchmarks/_profile.py`` on CPU: the call counts of
+plain Python functions (the table names the functions a variant adds), the
+labels, and the kernel count of stand-in profiler events."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import step_time
-from benchmarks._profile import added_calls_table, own_time_table, profile_step
+from benchmarks._profile import count_kernels, differences_table, profile_step
 
 
 def _leaf() -> int:
@@ -30,10 +31,18 @@ def test_the_table_names_each_added_function_with_its_count():
     step = profile_step(_dropin)
     dropin = step["calls"]
     assert step["own_s"] >= 0
-    table = added_calls_table("t", stock, dropin)
+    table = differences_table("t", stock, dropin, what="Python-level calls")
     added = {row[0].rsplit(":", 1)[1]: row[3] for row in table["rows"]}
     assert added["_wrapped"] == "+3" and "_leaf" not in added  # _leaf: 3 calls in both
     assert f"added {sum(dropin.values()) - sum(stock.values()):+d}" in table["note"]
+
+
+def test_a_table_of_times_keeps_its_decimals_and_sorts_by_the_largest_difference():
+    table = differences_table("t", {"gemm": 90.0, "cast": 4.0}, {"gemm": 90.5, "cat": 6.0, "multi": 3.0},
+                              what="GPU busy ms", digits=2, top=3)
+    assert table["rows"] == [["cat", "0.00", "6.00", "+6.00"], ["cast", "4.00", "0.00", "-4.00"],
+                             ["multi", "0.00", "3.00", "+3.00"]]
+    assert "added +5.50; the 3 largest" in table["note"]
 
 
 def test_function_labels_keep_no_machine_path():
@@ -54,33 +63,34 @@ def test_an_installed_package_is_labelled_from_the_package_on(file, label):
     assert _label(file, "f") == label
 
 
-def test_the_summary_gets_one_table_per_profiled_case():
+def test_the_step_time_summary_gets_one_table_per_profiled_case():
     times = {label: [0.010, 0.011] for label in step_time.ORDER}
     losses = {label: [1.0, 0.5] for label in step_time.ORDER}
-    profile = {"stock": {"calls": {"a.py:f": 2}, "own_s": 0.1}, "dropin": {"calls": {"a.py:f": 2, "b.py:g": 4},
-                                                                          "own_s": 0.1}}
+    profile = {"stock": {"calls": {"a.py:f": 2}}, "dropin": {"calls": {"a.py:f": 2, "b.py:g": 4}}}
     samples = [{"case": "c1", "step_time_s": times, "losses": losses, "profile": profile},
                {"case": "c2", "step_time_s": times, "losses": losses}]
     tables = step_time.summarize(samples)["tables"]
     assert len(tables) == 1 and tables[0]["rows"] == [["b.py:g", "0", "4", "+4"]]
 
 
-def test_the_own_time_table_lists_every_function_only_the_dropin_runs():
-    stock, dropin = profile_step(_stock), profile_step(_dropin)
-    assert abs(dropin["own_s"] - sum(dropin["own_by"].values())) < 1e-12
-    table = own_time_table("t", stock["own_by"], dropin["own_by"], top=1)
-    only = [row[0] for row in table["rows"] if row[0].endswith("(drop-in only)")]
-    assert any(":_wrapped" in row[0] for row in table["rows"])  # in the top entry or among the drop-in-only ones
-    assert not any(":_leaf (drop-in only)" in name for name in only)  # stock runs _leaf too
-    assert "functions stock does not run" in table["note"]
+def _event(name: str, device: str, us: float = 0.0, annotation: bool = False):
+    from types import SimpleNamespace
+
+    import torch
+
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
 
 
-def test_the_summary_adds_the_own_time_table_when_the_profile_has_times():
-    times = {label: [0.010, 0.011] for label in step_time.ORDER}
-    losses = {label: [1.0, 0.5] for label in step_time.ORDER}
-    profile = {"stock": {"calls": {"a.py:f": 2}, "own_by": {"a.py:f": 0.002}, "own_s": 0.002},
-               "dropin": {"calls": {"a.py:f": 2, "b.py:g": 4}, "own_by": {"a.py:f": 0.002, "b.py:g": 0.001},
-                          "own_s": 0.003}}
-    tables = step_time.summarize([{"case": "c", "step_time_s": times, "losses": losses, "profile": profile}])["tables"]
-    assert [t["title"].split(":")[0] for t in tables] == ["Where the host time goes", "Own host time per function"]
-    assert tables[1]["rows"][0] == ["a.py:f", "2.000", "2.000"] and tables[1]["rows"][1] == ["b.py:g", "0.000", "1.000"]
+def test_annotated_ranges_on_the_gpu_timeline_are_not_kernels():
+    events = [_event("FSDP::pre_forward (0)", "cpu", annotation=True),
+              _event("FSDP::pre_forward (0)", "cuda", us=8000.0),  # the range's mirror, spanning the kernels
+              _event("Optimizer.step#FusedAdam.step", "cuda", us=3000.0, annotation=True),
+              _event("cast_transpose", "cuda", us=100.0), _event("gemm", "cuda", us=400.0),
+              _event("gemm", "cuda", us=500.0), _event("Memcpy HtoD", "cuda", us=50.0),
+              _event("cudaLaunchKernel", "cpu"), _event("cudaLaunchKernel", "cpu")]
+    counted = count_kernels(events)
+    assert counted["by_kernel"] == {"cast_transpose": 1, "gemm": 2}
+    assert counted["kernels"] == 3 and counted["launch_calls"] == 2
+    assert counted["busy_by"] == {"cast_transpose": 0.1, "gemm": 0.9} and counted["busy_ms"] == 1.0

@@ -61,8 +61,13 @@ def test_summary_and_markdown(tmp_path):
     assert "| Float8CurrentScaling_qinit_1mb | 3.00 / 0.00 | columnwise on a quantized parameter 3.00 | none | 0 | 0.0 |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report))
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "timeline_old_case.png").write_text("an earlier run's figure")
     assert tl.main([str(path), "--out", str(tmp_path / "o")]) == 0
-    assert (tmp_path / "o" / "timeline.md").read_text() == text
+    written = (tmp_path / "o" / "timeline.md").read_text().splitlines()
+    assert written[2].startswith(f"`python3 -m benchmarks.timeline {path} --out") and "commit" in written[2]
+    assert written[:2] + written[4:] == text.splitlines()
+    assert not (tmp_path / "o" / "timeline_old_case.png").exists()  # the new result replaces the old
 
 
 def test_main_refuses_a_report_without_attribution(tmp_path, capsys):
@@ -77,7 +82,7 @@ def test_png_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed here (it is not a CI dependency)")
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"attribution": [_run()]}))
-    assert tl.main([str(path)]) == 0
+    assert tl.main([str(path), "--out", str(tmp_path)]) == 0
     png = tmp_path / "timeline_Float8CurrentScaling_qinit_1mb.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workspace_manager import QuantizerCapabilities, install_hint, register_quantizer
+from workspace_manager import QuantizerCapabilities, register_quantizer
+from workspace_manager.extending import install_hint
 
 try:
     import torch
@@ -51,7 +52,7 @@ except (ImportError, OSError) as err:  # OSError: TE's compiled extension failed
         "examples.custom_quantizer needs TransformerEngine 2.20 for PyTorch, whose custom-recipe "
         f"reference quantizer it subclasses; importing it failed ({type(err).__name__}: {err}). "
         f"Run the example on a CUDA machine with TE installed: {install_hint('te')}."
-    ) from err
+    ) from None  # the message names the error: one exception, not a chain of two
 
 __all__ = ["EXAMPLE_CAPABILITIES", "ExamplePerTensorFP8Quantizer", "qfactory", "make_recipe"]
 

@@ -1,6 +1,6 @@
 """One module per kind: each file here makes its kind's ``ModuleKind``,
 defines its drop-in class(es) and registers its one ``Adapter``
-(``runtime/_registry``).
+(``runtime/_kind_registry``).
 
 Importing this package imports every module in it (``pkgutil``), so a new
 kind's file registers by existing. A kind file's ``__all__`` names its
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..runtime._registry import adapters
+from ..runtime._kind_registry import adapters
 
 
 

@@ -52,7 +52,7 @@ from ..runtime._modules import ManagedModule
 from ..runtime._plan_support import plan_refusal
 from ..runtime._quantize import expert_keys
 from ..runtime._rebuild import Rebuild
-from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._kind_registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import BackwardWork
 from ..runtime._saved_tensors import rowwise_parts
 from ..te import _compat as te
@@ -91,7 +91,7 @@ def _begin(ctx, args: tuple):
     if nta[_SINGLE] and levers.plan.columnwise_source is ColumnwiseSource.DERIVED:
         _refuse_derived(levers)
     if levers.is_quantized_param and len(experts) > 1:
-        refresh_experts(experts[1:])  # the first was checked by levers() (D12)
+        refresh_experts(experts[1:], record.state.writes)  # the first was checked by levers() (D12)
     # Every tensor TE quantizes in this call is one of its experts.
     record.weights = (ANY_WEIGHT, levers)
     # A distributed weight's slots are TE's own (it saves None and gathers again).
@@ -103,7 +103,8 @@ def _begin(ctx, args: tuple):
         # Nothing cached, nothing saved: every expert's workspace lives only
         # in this forward, so all can come from one grouped quantization,
         # made at TE's first quantize_weight of the call (the seam's).
-        part.quantize_all = partial(quantize_experts, nta[_QUANTIZERS], experts, True, levers.forward_columnwise)
+        part.quantize_all = partial(quantize_experts, record.state, nta[_QUANTIZERS], experts, True,
+                                    levers.forward_columnwise)
     return record, args
 
 
@@ -137,7 +138,7 @@ def _edit_ctx(ctx, record, args: tuple) -> None:
     levers, part = record.weights[1], record.part
     before = None  # the before phase: the experts saved in high precision, quantized again
     if part.saves_weights and levers.plan.backward_source is BackwardSource.REQUANTIZE:
-        before = ExpertRebuild(args[2][_QUANTIZERS], levers.plan.backward_usage).before_te_backward
+        before = ExpertRebuild(args[2][_QUANTIZERS], levers.plan.backward_usage, record.state).before_te_backward
     if not levers.releases and before is None:
         ctx._te_wm_backward = None
         return

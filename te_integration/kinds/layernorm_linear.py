@@ -14,7 +14,7 @@ from workspace_manager import RecomputePass, RecomputeScope, Sharding
 
 from ..runtime._call import ACTIVE, GATHERED_WEIGHT, is_distributed, recompute_pass
 from ..runtime._modules import ManagedModule
-from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._kind_registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import backward_work
 from ..te import _compat as te
 

@@ -26,7 +26,7 @@ from workspace_manager import RecomputePass, RecomputeScope
 
 from ..runtime._call import ACTIVE, CallPart, new_record, recompute_pass
 from ..runtime._modules import ManagedModule
-from ..runtime._registry import Adapter, FunctionSeam, ModuleKind, register
+from ..runtime._kind_registry import Adapter, FunctionSeam, ModuleKind, register
 from ..runtime._release import BackwardWork, backward_work
 from ..te import _compat as te
 

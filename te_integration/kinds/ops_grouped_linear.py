@@ -48,7 +48,7 @@ from ..runtime._freshness import is_per_tensor
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
 from ..runtime._rebuild import Rebuild
-from ..runtime._registry import Adapter, ModuleKind, OpHooks, register
+from ..runtime._kind_registry import Adapter, ModuleKind, OpHooks, register
 from ..runtime._release import BackwardWork
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops
@@ -137,7 +137,7 @@ def _edit_op_ctx(op_ctx, record) -> list:
         before = DeriveColumnwise(count, levers.plan.columnwise_source is ColumnwiseSource.DERIVED)
     elif levers.plan.backward_source is BackwardSource.REQUANTIZE:
         usage = levers.plan.backward_usage if levers.plan.backward_usage is not Usage.NONE else Usage.COLUMNWISE
-        before = OpRebuild(op_ctx.weight_quantizers[:count], usage)
+        before = OpRebuild(op_ctx.weight_quantizers[:count], usage, record.state)
     else:
         return releases
     op_ctx._te_wm_backward = BackwardWork(record.module, before_te_backward=before.before_te_backward)
@@ -215,7 +215,7 @@ class OpsGroupedLinear(ManagedOp, te_ops.GroupedLinear):
         them past this forward and a grouped call gives TE's bytes."""
         record = _record_of(self) if with_quantized_compute else None
         if record is not None and record.part is AT_ONCE and isinstance(weight_params, list):
-            grouped = quantize_experts(weight_quantizers, weight_params, True, columnwise_usage)
+            grouped = quantize_experts(record.state, weight_quantizers, weight_params, True, columnwise_usage)
             if grouped is not None:
                 return grouped
         return super()._get_discrete_weights_for_gemm(weight_params, weight_quantizers, columnwise_usage,

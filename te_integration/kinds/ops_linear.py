@@ -39,14 +39,14 @@ from ..runtime._foreign_patches import SeamedName
 from ..runtime._managed_common import ManagedOp
 from ..runtime._plan_support_ops import ops_unsupported_reason
 from ..runtime._rebuild import RebuildQuantizer
-from ..runtime._registry import OP_HOOKS, Adapter, ModuleKind, OpHooks, register
+from ..runtime._kind_registry import OP_HOOKS, Adapter, ModuleKind, OpHooks, register
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops
 
 __all__ = ["OpsBasicLinear", "OpsLinear"]
 
 KIND = ModuleKind("ops_basic_linear")
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 _NO_RECOMPUTE, _REGION = RecomputePass.NONE, RecomputeScope.REGION
 _TE_FORWARD = te_ops.BasicLinear.__dict__["_functional_forward"].__func__
 _TE_BACKWARD = te_ops.BasicLinear.__dict__["_functional_backward"].__func__
@@ -97,7 +97,7 @@ class FunctionalForwardSeam:
             y, x_local, w = _TE_FORWARD(*args, **kwargs)
             return y, x_local, (weight if input_rg else None)
         out = _TE_FORWARD(*args, **kwargs)
-        if _LEDGER.enabled and out[2] is not None and out[2] is not weight:
+        if _RECORDINGS and out[2] is not None and out[2] is not weight:
             _attribution.forward_workspace(record.module, "weight", levers.plan, out[2], from_cache=False)
         return out
 

@@ -34,7 +34,7 @@ from workspace_manager import KeepForBackwardWorkspacePolicy, PolicyMismatchErro
 from . import _argument_checks as checks
 from ..te import _compat as te
 from ._modules import ManagedModule, set_workspace_policy, workspace_state
-from ._registry import adapter_for
+from ._kind_registry import adapter_for
 
 __all__ = ["apply_workspace_budget", "WorkspaceBudget", "BudgetEntry", "BudgetChoice"]
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ._registry import adapters
+from ._kind_registry import adapters
 
 __all__ = ["managed_construction"]
 

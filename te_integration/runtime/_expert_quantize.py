@@ -17,7 +17,7 @@ quantizes them in one call:
   (``Float8CurrentScalingQuantizer``, ``Float8BlockQuantizer``):
   ``tex.group_quantize``, which computes each expert's amax or block scales
   on its own rows, with the first expert's quantizer (the experts' are
-  alike: checked, see :func:`_alike`). Its kernels read one contiguous
+  alike: checked once per list of them and module, see :func:`_alike`). Its kernels read one contiguous
   tensor, and FSDP2 gives each expert's weight its own buffer, so the
   experts are concatenated first (one copy kernel, and a transient copy of
   their high-precision weights while they are quantized).
@@ -44,31 +44,31 @@ from ..te import _compat as te
 
 __all__ = ["quantize_experts"]
 
-#: Quantizer class -> how its experts are quantized at once (None: one by one).
+#: Quantizer class -> how its experts are quantized at once (None: one by
+#: one): a registry of TE's classes, filled as they are met.
 _METHODS: dict[type, Callable | None] = {}
-#: ``id``s of quantizer lists found alike, with the list itself (so an id is
-#: never reused while it is here); bounded, since TE may make new lists.
-_ALIKE: dict[tuple[int, ...], Sequence] = {}
-_ALIKE_MAX = 256
 
 
-def quantize_experts(quantizers: Sequence, weights: Sequence, rowwise: bool, columnwise: bool) -> list | None:
+def quantize_experts(state: Any, quantizers: Sequence, weights: Sequence, rowwise: bool,
+                     columnwise: bool) -> list | None:
     """``weights`` (high precision, one per expert) quantized at once with
     ``quantizers`` (one per expert, as many), each holding only the usages
     named; or None where no grouped TE call gives what per-expert
     quantization gives (see the module docstring).
 
     Little Python runs per expert: that is what the grouped call saves. The
-    checks of the quantizers run once per list of them (:func:`_alike`);
-    experts that do not fit together (a missing one, another shape or
-    dtype) give None."""
+    checks of the quantizers run once per list of them (:func:`_alike`),
+    remembered in the calling module's ``state`` (its
+    ``ModuleWorkspaceState``); experts that do not fit together (a missing
+    one, another shape or dtype) give None."""
     kind = type(quantizers[0])
     method = _METHODS[kind] if kind in _METHODS else _learn(kind)
     first = weights[0]
     if method is None or first is None or isinstance(first, te.QuantizedTensorStorage):
         return None
     key = tuple(map(id, quantizers))
-    if key not in _ALIKE and not _alike(quantizers, key):
+    known = state.alike
+    if (known is None or known[0] != key) and not _alike(state, quantizers, key):
         return None
     return method(quantizers, weights, rowwise, columnwise)
 
@@ -86,18 +86,18 @@ def _learn(kind: type) -> Callable | None:
     return method
 
 
-def _alike(quantizers: Sequence, key: tuple) -> bool:
+def _alike(state: Any, quantizers: Sequence, key: tuple) -> bool:
     """Every quantizer of the same class and settings as the first, none
     reducing its amax across ranks (the grouped kernels do not): then the
-    first quantizes every expert as its own would. Remembered by the
-    quantizers' ids, holding the list so that no id is reused meanwhile."""
+    first quantizes every expert as its own would. Remembered in the
+    module's state by the quantizers' ids (the module's latest list only:
+    TE makes a list per call of the same quantizers), holding the list so
+    that no id is reused meanwhile."""
     first = quantizers[0]
     settings = _settings(first)
     if settings is None or any(type(q) is not type(first) or _settings(q) != settings for q in quantizers):
         return False
-    if len(_ALIKE) >= _ALIKE_MAX:
-        _ALIKE.clear()
-    _ALIKE[key] = quantizers
+    state.alike = (key, quantizers)
     return True
 
 

@@ -10,23 +10,25 @@ the binding answers each one here, for every module kind and every plan
   ``FusedAdam`` writes DelayedScaling FP8 parameters through raw pointers
   and never does, and FSDP2's all-gather refills the reused gathered
   tensor's data while keeping its transpose. The seams stamp each quantized
-  weight a drop-in reads with the step generation
-  (:data:`~te_integration.runtime._step_hook.STEPS`) and the tensor's version
+  weight a drop-in reads with the module's clock
+  (``ModuleWorkspaceState.writes``, moved by the optimizer steps that wrote
+  the module's parameters: ``_step_hook``) and the tensor's version
   counter; the first call after either moved marks the transpose invalid
   (:func:`refresh_parameter`), and TE derives it again from the current
   data where a GEMM needs it: every dgrad path calls
   ``update_usage(columnwise_usage=True)`` first. The price is one transpose
-  per weight per step.
+  per weight per step of its own optimizer.
 * **A cached workspace** (microbatches): stamped when filled; a call that
   finds it older refreshes it in place, whatever ``is_first_microbatch``
   says (``_quantize``). Under FSDP2 every all-gather moves the gathered
   weight's version counter while the weight changes only at the step, so
-  there the generation alone decides.
+  there the clock alone decides.
 * **A module moved** (``module.to``, ``.cpu()``): the drop-ins' ``_apply``
   releases every quantized copy the module holds (:func:`release_module`).
 * **Anything the binding cannot see** (an optimizer outside ``torch.optim``,
   ``param.data`` swapped by an offload framework, a phase switch):
-  ``release_workspaces`` (``_stale``), which also moves the generation on.
+  ``release_workspaces`` (``_stale``), which also moves the clocks of the
+  model's drop-ins on.
 
 Only per-tensor FP8 has derived data TE keeps flagged valid across writes;
 TE rebuilds the other formats' columnwise data with their rowwise data on
@@ -40,17 +42,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
-from workspace_manager import buffers_of
+from workspace_manager.attribution import buffers_of
 
 from ..te import _compat as te
-from ._step_hook import STEPS, add_step_task
+from ._model import written_drop_ins
+from ._step_hook import Step, step_task
 
 __all__ = ["HeldCopy", "held_copies", "refresh_parameter", "refresh_experts", "release_module", "is_per_tensor",
            "version_of", "copy_nbytes", "placement"]
 
-#: The attribute a quantized weight's stamp lives in: ``(generation, version)``
+#: The attribute a quantized weight's stamp lives in: ``(clock, version)``
 #: when a drop-in last made sure its derived data is current.
 STAMP = "_te_wm_fresh"
 
@@ -61,36 +63,35 @@ def is_per_tensor(tensor: Any) -> bool:
     return hasattr(tensor, "_transpose_invalid") and hasattr(tensor, "_data")
 
 
-def refresh_parameter(weight: Any) -> None:
-    """The seams found ``weight``'s stamp older than the step generation or
-    its version: mark its derived transpose invalid, so that the next use
-    derives it from the current data, and stamp it current."""
+def refresh_parameter(weight: Any, writes: int) -> None:
+    """The seams found ``weight``'s stamp older than its module's clock
+    (``writes``) or its version: mark its derived transpose invalid, so that
+    the next use derives it from the current data, and stamp it current."""
     if is_per_tensor(weight) and weight._data is not None:
         reset = getattr(type(weight), "_reset_caches", None)
         if reset is not None:
             reset(weight)  # TE's own invalidation (it keeps a columnwise-only tensor's data)
         else:
             weight._transpose_invalid = True
-    setattr(weight, STAMP, (STEPS.value, version_of(weight)))
+    setattr(weight, STAMP, (writes, version_of(weight)))
 
 
 def version_of(tensor: Any) -> int:
     """``tensor``'s version counter, or 0 for a tensor that keeps none: an
     inference tensor (made under ``torch.inference_mode``), whose counter
     torch refuses to read. Such a tensor can change only inside inference
-    mode, where nothing trains; the step generation still moves."""
+    mode, where nothing trains; the module's clock still moves at its steps."""
     try:
         return tensor._version
     except (AttributeError, RuntimeError):
         return 0
 
 
-def refresh_experts(experts: tuple) -> None:
+def refresh_experts(experts: tuple, writes: int) -> None:
     """:func:`refresh_parameter` for each expert whose stamp is old."""
-    current = STEPS.value
     for weight in experts:
-        if getattr(weight, STAMP, None) != (current, version_of(weight)):
-            refresh_parameter(weight)
+        if getattr(weight, STAMP, None) != (writes, version_of(weight)):
+            refresh_parameter(weight, writes)
 
 
 @dataclass(frozen=True)
@@ -127,25 +128,30 @@ def held_copies(module: Any, gathered: list | None = None) -> Iterator[HeldCopy]
             yield HeldCopy(module, name, "gathered_transpose", tensor)
 
 
-def _refresh_tracked(stepped: list) -> None:
+@step_task("parameter_transposes")
+def _refresh_written(step: Step) -> None:
     """At the step: the quantized parameters' transposes of the drop-ins the
-    optimizer wrote are made again from the data it just wrote (the next
-    forward would mark them invalid; done now, no valid-flagged stale
-    transpose exists between steps, and the parameter keeps the usages its
-    plan says, ``parameter_keeps``). TE's transpose kernel writes into the
-    existing buffer: no memory moves."""
-    for module in stepped:
-        for param in module._parameters.values():
-            local = getattr(param, "_local_tensor", param)
-            if not isinstance(local, te.QuantizedTensorStorage):
-                continue
-            kept = is_per_tensor(local) and local._transpose is not None and local._data is not None
-            refresh_parameter(local)
-            if kept:
-                local.update_usage(columnwise_usage=True)
+    step wrote are made again from the data it just wrote (the next forward
+    would mark them invalid; done now, no valid-flagged stale transpose
+    exists between steps, and the parameter keeps the usages its plan says,
+    ``parameter_keeps``). TE's transpose kernel writes into the existing
+    buffer: no memory moves."""
+    for _, written in written_drop_ins(step):
+        for module in written:
+            state = module._wm_state
+            if state.holds_quantized:
+                _refresh_parameters(module, state.writes)
 
 
-add_step_task(_refresh_tracked)
+def _refresh_parameters(module: Any, writes: int) -> None:
+    for param in module._parameters.values():
+        local = getattr(param, "_local_tensor", param)
+        if not isinstance(local, te.QuantizedTensorStorage):
+            continue
+        kept = is_per_tensor(local) and local._transpose is not None and local._data is not None
+        refresh_parameter(local, writes)
+        if kept:
+            local.update_usage(columnwise_usage=True)
 
 
 def copy_nbytes(copy: HeldCopy) -> int:

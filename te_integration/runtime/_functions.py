@@ -6,7 +6,7 @@ name (so ``grad_fn`` names do not change) whose forward is
 :func:`seam_function`'s one body, and whose backward runs the plan's
 release after TE's. What differs between kinds (where the weights,
 quantizers and flags sit in TE's arguments, which ctx fields TE's backward
-reads) is the kind's :class:`~te_integration.runtime._registry.FunctionSeam`.
+reads) is the kind's :class:`~te_integration.runtime._kind_registry.FunctionSeam`.
 
 The body runs on every call of every TE module once installed, so it calls
 nothing it can spell inline: the kind's ``begin`` (gate and plan) and
@@ -27,13 +27,13 @@ from typing import Any
 from . import _attribution
 from ._call import ACTIVE
 from ._quantize import commit_cache
-from ._registry import FunctionSeam
+from ._kind_registry import FunctionSeam
 from ._release import run_backward
 from ._saved_tensors import save_columnwise_only
 
 __all__ = ["seam_function"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 def seam_function(spec: FunctionSeam) -> type:
@@ -52,7 +52,7 @@ def seam_function(spec: FunctionSeam) -> type:
             out = te_method(ctx, *args)
             if ctx is not None:
                 ctx._te_wm_backward = None
-                if _LEDGER.enabled:
+                if _RECORDINGS:
                     _attribution.tag(ctx, _attribution.current_module())
             return out
         record, args = started
@@ -71,12 +71,12 @@ def seam_function(spec: FunctionSeam) -> type:
                 ACTIVE.record = record.previous
         if ctx is not None:
             edit_ctx(ctx, record, args)
-            if _LEDGER.enabled:
+            if _RECORDINGS:
                 _attribution.tag(ctx, record.module)
         return out
 
     def backward(ctx, *grads):
-        if ctx._te_wm_backward is None and not _LEDGER.enabled:
+        if ctx._te_wm_backward is None and not _RECORDINGS:
             return backwards["backward"](ctx, *grads)
         return run_backward(ctx, backwards["backward"], grads)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workspace_manager import fsdp2_gathered_parameters
+from workspace_manager.extending import fsdp2_gathered_parameters
 
 from ..te import _compat as te
 from ..te import _compat_ops as te_ops

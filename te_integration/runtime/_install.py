@@ -3,10 +3,10 @@
 The seamed names are derived from each registered kind's adapter
 (:func:`seams_of`): for a TE module kind, ``quantize_weight`` and the
 autograd Function in its TE module file (``_quantize`` and ``_functions``),
-and the further globals its :class:`~te_integration.runtime._registry.FunctionSeam`
+and the further globals its :class:`~te_integration.runtime._kind_registry.FunctionSeam`
 names; for a te.ops kind, the fuser Function every op kind shares
 (``_ops_fuser``) and the further names its
-:class:`~te_integration.runtime._registry.OpHooks` lists.
+:class:`~te_integration.runtime._kind_registry.OpHooks` lists.
 Stock TE modules and the calls TE handles itself run TE's code through them
 unchanged. Install refuses, changing nothing, while
 another library's patch holds one of those names (``_foreign_patches``).
@@ -22,7 +22,7 @@ from ._foreign_patches import ForeignPatchError, SeamedName, foreign_patches, in
 from ._functions import seam_function
 from ._ops_fuser import fuser_seams
 from ._quantize import managed_quantize_weight
-from ._registry import Adapter, adapters
+from ._kind_registry import Adapter, adapters
 
 __all__ = ["install", "uninstall", "seams_of", "seam_function_of", "SEAM_FUNCTIONS"]
 

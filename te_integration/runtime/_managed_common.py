@@ -13,7 +13,7 @@ from workspace_manager import WorkspacePolicy
 
 from . import _install
 from ._freshness import placement, release_module
-from ._registry import ModuleKind
+from ._kind_registry import ModuleKind
 from ._shards import trim_sharded_parameters
 from ._state import ModuleWorkspaceState, state_of
 
@@ -67,11 +67,10 @@ class ManagedOp(ManagedCommon):
 
     _wm_kind: ClassVar[ModuleKind]
     _wm_state: ModuleWorkspaceState | None = None
-    _wm_installed: bool = False
 
     def pre_fuser_forward(self, *, requires_grad: bool) -> None:
-        if not self._wm_installed or not _install.INSTALLED:
+        state = self._wm_state
+        if state is None or not state.installed or not _install.INSTALLED:
             _install.install()
-            state_of(self)
-            self.__dict__["_wm_installed"] = True
+            state_of(self).installed = True
         super().pre_fuser_forward(requires_grad=requires_grad)

@@ -9,7 +9,7 @@ policy (``_functions`` and the kind's ``begin``). The drop-ins add no
 parameters, buffers, submodules or ``fp8_meta`` entries, so ``state_dict``
 and ``extra_state`` are exactly TE's and checkpoints move both ways between
 stock and drop-in modules. :func:`convert_model` takes its table of TE
-classes to drop-ins from the registry (``_registry``).
+classes to drop-ins from the registry of kinds (``_kind_registry``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from . import _argument_checks as checks
 from . import _install
 from ._call import ACTIVE, CallRecord, refuse_reentry
 from ._managed_common import ManagedCommon, ManagedOp
-from ._registry import ModuleKind, drop_ins
+from ._model import model_for_root
+from ._kind_registry import ModuleKind, drop_ins
 from ._state import ModuleWorkspaceState, state_of
 
 __all__ = [
@@ -67,18 +68,15 @@ class ManagedModule(ManagedCommon):
     _wm_kind: ClassVar[ModuleKind]
     #: The module's state; the class default None means "not made yet".
     _wm_state: ModuleWorkspaceState | None = None
-    #: Whether this module's first managed call has run ``install`` (its
-    #: state may exist before: TE's constructor calls ``reset_parameters``).
-    _wm_installed: bool = False
     is_fsdp2 = _FSDP2Flag()
 
     def prepare_forward(self, inp: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             # Inside a torch.compile trace TE's compiled path runs (Linear); it stays stock.
             return super().prepare_forward(inp, *args, **kwargs)
-        if not self._wm_installed or not _install.INSTALLED:
-            self._first_managed_call()
         state = self._wm_state
+        if state is None or not state.installed or not _install.INSTALLED:
+            state = self._first_managed_call()
         probe = state.sharding_probe
         sharding = probe.current() if probe is not None else None
         if sharding is None:  # first call, or FSDP2 states were added or removed since
@@ -98,14 +96,15 @@ class ManagedModule(ManagedCommon):
         ACTIVE.record = record
         return inp
 
-    def _first_managed_call(self) -> None:
+    def _first_managed_call(self) -> ModuleWorkspaceState:
         """At each drop-in's first call (and after ``uninstall_seams``): find
         foreign patches made since, and install the seams; before TE's
         prepare_forward, whose NVTX range and recompute metadata only
         end_forward undoes, so a refusal leaves them alone."""
         _install.install()
-        state_of(self)
-        self.__dict__["_wm_installed"] = True
+        state = state_of(self)
+        state.installed = True
+        return state
 
     def end_forward(self) -> None:
         record = ACTIVE.record
@@ -151,18 +150,23 @@ def convert_model(
     ``policy`` pins a policy on each chosen module (default: selected per
     call). Parameters are not copied. Converting is idempotent: drop-ins
     keep their class, and ``policy``, if given, is pinned on the chosen
-    drop-ins too. A model without TE modules is returned unchanged. Call it
-    before ``fully_shard``: a TE module FSDP2 already wraps is refused. Every
-    argument and module is checked (and ``module_filter`` asked) before any
-    class changes, so a refused call leaves the model as it was.
+    drop-ins too. The chosen drop-ins become ``model``'s: one workspace
+    state for the model (``ModelWorkspaceState``), whatever model they
+    belonged to before. A model without TE modules is returned unchanged.
+    Call it before ``fully_shard``: a TE module FSDP2 already wraps is
+    refused. Every argument and module is checked (and ``module_filter``
+    asked) before any class changes, so a refused call leaves the model as it was.
     """
     checks.expect_module("convert_model", "model", model)
     checks.expect_callable("convert_model", "module_filter", module_filter)
     checks.expect_policy("convert_model", policy)
-    for module, target in _conversions(model, module_filter):
+    chosen = _conversions(model, module_filter)
+    owner = model_for_root(model) if chosen else None
+    for module, target in chosen:
         if target is not None:
             module.__class__ = target
             module.__dict__.pop("_is_fsdp2", None)  # TE caches its FSDP2 flag; ours is detected afresh
+        state_of(module, owner)
         if policy is not None:
             module.workspace_policy = policy
     return model

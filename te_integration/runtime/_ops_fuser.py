@@ -7,7 +7,7 @@ fused op's) ``fuser_forward`` with per-op ``OperationContext`` objects. So a
 call's records are opened around that Function's forward, by a same-named
 subclass in ``ops/fuser.py`` (which ``OperationFuser.__call__`` looks up by
 name at each call): for each drop-in op among ``fuser._basic_ops`` (an op
-whose kind registered :class:`~te_integration.runtime._registry.OpHooks`)
+whose kind registered :class:`~te_integration.runtime._kind_registry.OpHooks`)
 it pushes a :class:`~te_integration.runtime._call.CallRecord` (the op, its
 state, its sharding read now), runs TE's forward, pops them in a
 ``finally``; then asks each op's kind (``OpHooks.edit_ctx``) to set what
@@ -30,13 +30,13 @@ from . import _attribution
 from ..te import _compat_ops as te_ops
 from ._call import ACTIVE, new_record
 from ._foreign_patches import SeamedName
-from ._registry import OP_HOOKS
+from ._kind_registry import OP_HOOKS
 from ._release import BackwardWork, run_backward
 from ._state import state_of
 
 __all__ = ["FUSER_SEAM", "fuser_seams"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 def _open(fuser) -> list:
@@ -80,14 +80,14 @@ def _fuser_forward(func_ctx, input_, fuser, *args):
         ACTIVE.record = below
     if func_ctx is not None:
         _edit_ctxs(func_ctx, opened)
-        if _LEDGER.enabled:
+        if _RECORDINGS:
             _attribution.tag(func_ctx, opened[0][1].module)
     return out
 
 
 def _fuser_backward(func_ctx, *grads):
     te_backward = te_ops.FuserFunction.backward
-    if getattr(func_ctx, "_te_wm_backward", None) is None and not _LEDGER.enabled:
+    if getattr(func_ctx, "_te_wm_backward", None) is None and not _RECORDINGS:
         return te_backward(func_ctx, *grads)
     return run_backward(func_ctx, te_backward, grads)
 

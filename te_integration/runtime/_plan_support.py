@@ -86,7 +86,7 @@ def plan_refusal(key: str, reason: str, context: WorkspaceContext, plan: Workspa
     """The error for a plan TE cannot carry out for ``key``, ``reason`` naming the field."""
     return UnsupportedPlanError(
         f"TE 2.20 cannot carry out the plan for {key}: {reason}. Plan: {plan.summary()}. Context: {context}. "
-        "Change the policy so that it plans this context differently (te_integration.unsupported_reason "
+        "Change the policy so that it plans this context differently (te_integration.debug.unsupported_reason "
         "checks a plan without running TE)."
     )
 

@@ -21,11 +21,10 @@ from ._call import ACTIVE, ANY_WEIGHT, GATHERED_WEIGHT, CallRecord
 from ._levers import Levers
 from ._saved_tensors import PER_TENSOR_LAYOUTS, rowwise_parts
 from ._freshness import version_of
-from ._step_hook import STEPS
 
 __all__ = ["managed_quantize_weight", "expert_key", "expert_key_at", "expert_index", "expert_keys"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, update_workspace=True,
@@ -48,7 +47,7 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         out, new = te.quantize_weight(tensor=tensor, quantizer=quantizer, workspace=workspace,
                                       update_workspace=update_workspace, skip_update_flag=skip_update_flag,
                                       fsdp_group=fsdp_group, workspace_dtype=workspace_dtype, cache=cache)
-        if _LEDGER.enabled and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
+        if _RECORDINGS and levers is None and not isinstance(tensor, te.QuantizedTensorStorage):
             _attribution.forward_workspace(None, None, None, out, from_cache=bool(cache) or out is workspace,
                                            weight=tensor)
         return out, new
@@ -69,7 +68,7 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
         except IndexError:
             index = expert_index(part, tensor)
         out, hit = quantized[index], False
-        if _LEDGER.enabled:
+        if _RECORDINGS:
             key = expert_key_at(index)
     elif levers.cache is not CacheAction.BYPASS:
         key = key or expert_key(record, tensor)
@@ -99,7 +98,7 @@ def managed_quantize_weight(*, tensor=None, quantizer=None, workspace=None, upda
                 record.rowwise_parts = parts
             else:  # one list per call, also for many experts (+= calls nothing)
                 record.rowwise_parts += parts
-    if _LEDGER.enabled:
+    if _RECORDINGS:
         _attribution.forward_workspace(record.module, key or expert_key(record, tensor), levers.plan, out,
                                        from_cache=hit)
     return out, None
@@ -159,7 +158,8 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
     workspace and whether it came from the cache. An entry older than the
     weight (made before an optimizer step, or before the weight's version
     counter moved) is refreshed, whatever the call's microbatch position
-    says (docs/decisions.md, D12)."""
+    says (docs/decisions.md, D12); the module's clock (``state.writes``)
+    dates the entry."""
     state = record.state
     want_columnwise = levers.forward_columnwise
     if quantizer.columnwise_usage is not want_columnwise or not quantizer.rowwise_usage:
@@ -168,7 +168,7 @@ def _cached_quantize(record: CallRecord, levers: Levers, key: str, tensor, quant
     pending = record.pending
     # This call's own fill first, then the module's cache.
     cached = pending[key] if pending is not None and key in pending else record.module._fp8_workspaces.get(key)
-    stamp = (STEPS.value, version_of(tensor) if levers.cache_tracks_version else 0)
+    stamp = (state.writes, version_of(tensor) if levers.cache_tracks_version else 0)
     if cached is not None:
         # An entry this state filled with the usages wanted serves as it is
         # (see ModuleWorkspaceState.filled); any other is checked in full.

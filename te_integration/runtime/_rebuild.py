@@ -37,21 +37,24 @@ __all__ = ["Rebuild", "RebuildQuantizer", "quantize_with_usage"]
 class Rebuild:
     """Quantize again, holding only ``usage``, weights saved in high precision (D9).
 
-    ``quantizers`` are the weights' quantizers, in the weights' order. A
+    ``quantizers`` are the weights' quantizers, in the weights' order;
+    ``state``, the module's ``ModuleWorkspaceState``, remembers whether many
+    experts' quantizers quantize alike (``_expert_quantize``). A
     kind's subclass says where the rebuilt weights go
     (:meth:`before_te_backward`). Not changed once made; a plain class, not
     a dataclass: it is made in forward, once per call whose plan
     requantizes, and one ``__init__`` is the fewest calls.
     """
 
-    __slots__ = ("quantizers", "usage", "rowwise", "columnwise")
+    __slots__ = ("quantizers", "usage", "rowwise", "columnwise", "state")
 
     #: Quantizer classes found unable to build the narrow usage directly.
     builds_both: ClassVar[set] = set()
 
-    def __init__(self, quantizers: Sequence, usage: Usage) -> None:
+    def __init__(self, quantizers: Sequence, usage: Usage, state: Any = None) -> None:
         self.quantizers = quantizers
         self.usage = usage
+        self.state = state
         self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
 
     def before_te_backward(self, ctx: Any, saved: Any) -> Any:
@@ -65,8 +68,8 @@ class Rebuild:
         quantization format (experts) are quantized by one grouped TE call
         where one is exact for them (``_expert_quantize``)."""
         rowwise, columnwise = self.rowwise, self.columnwise
-        if len(weights) > 1:
-            grouped = quantize_experts(self.quantizers, weights, rowwise, columnwise)
+        if len(weights) > 1 and self.state is not None:
+            grouped = quantize_experts(self.state, self.quantizers, weights, rowwise, columnwise)
             if grouped is not None:
                 if restore:
                     for quantizer in self.quantizers[:1]:  # the only one a grouped call narrows
@@ -117,7 +120,7 @@ class RebuildQuantizer(Rebuild):
         # Rebuild's fields set here rather than through super().__init__: te.ops
         # makes one per call under backward_override="dequantized", and each
         # Python call there is host time per call.
-        self.quantizers, self.quantizer, self.usage = (quantizer,), quantizer, usage
+        self.quantizers, self.quantizer, self.usage, self.state = (quantizer,), quantizer, usage, None
         self.rowwise, self.columnwise = Usage.ROWWISE in usage, Usage.COLUMNWISE in usage
 
     def before_te_backward(self, ctx: Any, saved: Any) -> Any:

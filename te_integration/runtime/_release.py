@@ -32,11 +32,11 @@ from typing import Any
 from . import _attribution
 from ..te import _compat as te
 from ._levers import Levers
-from ._step_hook import release_after_step
+from ._model import model_state
 
 __all__ = ["BackwardWork", "backward_work", "run_backward"]
 
-_LEDGER = _attribution.LEDGER
+_RECORDINGS = _attribution.ACTIVE_RECORDINGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +61,14 @@ class BackwardWork:
     def after_te_backward(self) -> None:
         """Phase two, after TE's backward returned or raised: the plan's release
         (:func:`run_backward` calls it where there is one)."""
-        keys = self.cache_keys
+        keys, module = self.cache_keys, self.module
         for tensor, levers in self.releases:
             if levers.release_columnwise and isinstance(tensor, te.QuantizedTensorStorage):
                 te.clear_columnwise_cache(tensor)
             if levers.release_cache and not keys:
-                release_after_step(self.module, levers.key)
+                model_state(module, module._wm_state).release_after_step(module, levers.key)
         for key in keys:
-            release_after_step(self.module, key)
+            model_state(module, module._wm_state).release_after_step(module, key)
 
 
 def backward_work(module: Any, weights: tuple) -> BackwardWork | None:
@@ -80,7 +80,7 @@ def backward_work(module: Any, weights: tuple) -> BackwardWork | None:
 
 def run_backward(ctx, te_backward, grads: tuple):
     """TE's backward, then the after phase of ``ctx``'s work, also when TE's backward raises."""
-    marking = _LEDGER.enabled and _attribution.marks_backward(ctx)
+    marking = bool(_RECORDINGS) and _attribution.marks_backward(ctx)
     if marking:
         _attribution.backward_mark(ctx, "start")
     try:

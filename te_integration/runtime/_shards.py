@@ -8,24 +8,20 @@ copy (an FP8 transpose, or columnwise blocks) is one byte per parameter of
 memory and of optimizer writes that nothing reads. The policy's plan says
 what the shard keeps (``WorkspacePlan.parameter_keeps``); this module applies
 it after ``reset_parameters``, after loading a state dict, and after every
-optimizer step (optimizers rewrite the parameters).
+optimizer step that writes them (optimizers rewrite the parameters).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from workspace_manager import (
-    Usage,
-    WeightSource,
-    WorkspaceContext,
-    plan_call,
-    quantizer_capabilities,
-)
+from workspace_manager import plan_call, Usage, WeightSource, WorkspaceContext
+from workspace_manager.extending import quantizer_capabilities
 
 from ..te import _compat as te
+from ._model import written_drop_ins
 from ._state import state_of
-from ._step_hook import add_step_task, track
+from ._step_hook import Step, step_task
 
 
 def trim_sharded_parameters(module: Any, *, only_regrown: bool = False) -> int:
@@ -33,13 +29,15 @@ def trim_sharded_parameters(module: Any, *, only_regrown: bool = False) -> int:
     need not keep. Returns how many parameters were trimmed. With
     ``only_regrown``, a shard is touched only if its columnwise data
     reappeared (the check at every optimizer step)."""
-    if not state_of(module).sharding(module).is_fsdp2:
+    state = state_of(module)
+    if not state.sharding(module).is_fsdp2:
         return 0
     trimmed = 0
     for param in module.parameters(recurse=False):
         local = getattr(param, "_local_tensor", None)  # the shard of a DTensor parameter
         if not isinstance(local, te.QuantizedTensorStorage):
             continue
+        state.holds_quantized = True  # checked again at each step that writes it
         if only_regrown and not _has_columnwise(local):
             continue
         keeps = parameter_plan(module, local._quantizer).parameter_keeps
@@ -51,7 +49,6 @@ def trim_sharded_parameters(module: Any, *, only_regrown: bool = False) -> int:
         local._quantizer.set_usage(rowwise=True, columnwise=False)
         local.update_usage(rowwise_usage=True, columnwise_usage=False)
         trimmed += 1
-    track(module)
     return trimmed
 
 
@@ -71,9 +68,9 @@ def parameter_plan(module: Any, quantizer: Any) -> Any:
     return plan_call(ctx, state.policy)
 
 
-def _retrim_tracked(stepped: list) -> None:
-    for module in stepped:
-        trim_sharded_parameters(module, only_regrown=True)
-
-
-add_step_task(_retrim_tracked)
+@step_task("shard_trim")
+def _retrim_written(step: Step) -> None:
+    for _, written in written_drop_ins(step):
+        for module in written:
+            if module._wm_state.holds_quantized:
+                trim_sharded_parameters(module, only_regrown=True)

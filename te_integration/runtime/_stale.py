@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from workspace_manager import fsdp2_gathered_parameters
+from workspace_manager.extending import fsdp2_gathered_parameters
 
 from ._argument_checks import expect_module
 from ._attribution import te_modules
 from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, release_module, version_of
-from ._step_hook import STEPS, ensure_hook
 
 __all__ = ["StaleKind", "StaleCopy", "StaleWorkspaceError", "stale_workspaces", "release_workspaces",
            "transpose_matches", "as_kernels_read"]
@@ -148,7 +147,7 @@ def _cache_is_stale(copy: HeldCopy) -> str | None:
     filled = state.filled.get(key) if state is not None else None
     if filled is not None and filled[0] == id(copy.tensor):
         version = 0 if state.sharding(module).is_fsdp2 else version_of(weight)
-        if filled[2] != (STEPS.value, version):
+        if filled[2] != (state.writes, version):
             return "made before the weight's latest optimizer step or in-place write"
     if disagrees_with(copy.tensor, weight):  # also where a write escaped the stamps
         return "its values disagree with the weight by more than FP8 rounding explains"
@@ -214,11 +213,16 @@ def release_workspaces(model: torch.nn.Module) -> int:
     an optimizer that steps outside ``torch.optim``, after an offload that
     swaps ``param.data``, or before a phase that needs the memory (training
     to rollout). Every copy is made again, from the current weights, where
-    the next call needs it. It also moves the step generation on, so every
-    drop-in treats what it made before as stale.
+    the next call needs it. It also moves the clock of each drop-in in
+    ``model`` on, so that it treats what it made before as stale; another
+    model's drop-ins keep theirs.
     """
     expect_module("release_workspaces", "model", model)
-    ensure_hook()
-    STEPS.advance()
     gathered = fsdp2_gathered_parameters(model)
-    return sum(release_module(module, gathered) for _, module in te_modules(model))
+    released = 0
+    for _, module in te_modules(model):
+        state = getattr(module, "_wm_state", None)
+        if state is not None:
+            state.note_written()
+        released += release_module(module, gathered)
+    return released

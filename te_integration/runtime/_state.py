@@ -3,9 +3,13 @@
 Everything the binding remembers about a module across calls lives in its
 :class:`ModuleWorkspaceState`: the pinned policy, the probe that reads the
 module's FSDP2 sharding, the memo of TE levers per call shape, the plans of
-the latest call, what it knows of the cache entries it filled, and its
-rebuild quantizers. The module holds it as ``_wm_state``; nothing else of
-ours is stored on the module, and nothing of one call (that is the
+the latest call, what it knows of the cache entries it filled, its rebuild
+quantizers, the clock its quantized copies are stamped with (D12), and the
+model it belongs to (:class:`~te_integration.runtime._model.ModelWorkspaceState`).
+The module holds it as ``_wm_state``. The only other attribute the binding
+sets on a module is TE's own ``is_fsdp2`` flag, answered from FSDP2's
+state and held in the instance dict during a call (``_modules._FSDP2Flag``);
+nothing of one call is kept here (that is the
 :class:`~te_integration.runtime._call.CallRecord`).
 
 Why a memo of levers: a training step repeats a handful of call shapes.
@@ -19,6 +23,12 @@ reachable from the levers, for :func:`last_plans`, ``explain`` and
 attribution. Sound because policies are frozen and pure, and the key holds
 everything the context is built from (``default_registry.generation`` voids
 the memo when quantizer registrations change).
+
+The clock (:attr:`ModuleWorkspaceState.writes`) counts the writes of the
+module's weights the binding was told of: the optimizer steps that wrote one
+of its parameters, and ``release_workspaces``. A copy stamped with an older
+count was made from older weights (``_freshness``); another model's step
+moves nothing here.
 """
 
 from __future__ import annotations
@@ -28,27 +38,25 @@ from typing import Any
 from workspace_manager import (
     BackwardOverride,
     Microbatch,
+    plan_call,
     Policy,
     RecomputePass,
     RecomputeScope,
     Sharding,
-    ShardingProbe,
     WeightSource,
     WorkspaceContext,
     WorkspacePlan,
-    default_registry,
-    plan_call,
-    probe_fsdp2_sharding,
-    quantizer_capabilities,
 )
+from workspace_manager.extending import default_registry, probe_fsdp2_sharding, quantizer_capabilities, ShardingProbe
 
 from ..te import _compat as te
 from ._levers import Levers, levers_from_plan
 from ._plan_support import UnsupportedPlanError, require_same_passes, require_supported
 from ._freshness import STAMP, refresh_parameter
 from ._rebuild import RebuildQuantizer
-from ._registry import ModuleKind, refusal_of
-from ._step_hook import STEPS, ensure_hook, track
+from ._model import model_state
+from ._kind_registry import ModuleKind, refusal_of
+from ._step_hook import ensure_hook
 
 __all__ = ["ModuleWorkspaceState", "state_of"]
 
@@ -69,13 +77,15 @@ class ModuleWorkspaceState:
     """A drop-in module's workspace state (see the module docstring)."""
 
     __slots__ = ("kind", "_policy", "sharding_probe", "_memo", "_generation", "_quantizer_keys", "_instance_keys",
-                 "_last", "filled", "_rebuilders")
+                 "_last", "filled", "_rebuilders", "writes", "model", "installed", "holds_quantized", "alike")
 
     def __init__(self, kind: ModuleKind, policy: Policy | None = None, *,
                  probe: ShardingProbe | None = None) -> None:
         """``probe``: how to read the module's sharding (default: made from
         FSDP2's state at the first call); anything with ``read()``,
-        ``current()`` and ``stale()``, e.g. for describing a sharding without FSDP2."""
+        ``current()``, ``stale()`` and ``is_fsdp2``, e.g. for describing a
+        sharding without FSDP2, and, for FSDP2's, ``parameters(module)``
+        (FSDP2's records of the module's parameters; see :meth:`sharded_sources`)."""
         self.kind = kind
         self._policy = policy
         #: How this module's sharding is read (see :meth:`probe`); None until the first call, or as given.
@@ -94,7 +104,7 @@ class ModuleWorkspaceState:
         self._instance_keys: dict[int, tuple[Any, int]] = {}
         self._last: dict[str, Levers] = {}
         #: weight key -> (id of the cache entry this state filled, whether it
-        #: holds columnwise data, its stamp: the step generation and the
+        #: holds columnwise data, its stamp: the module's clock and the
         #: weight's version counter when it was made). A hit on that entry
         #: skips re-validating it: the binding built it with those usages,
         #: and TE never adds to or strips a cached workspace (its in-backward
@@ -104,8 +114,22 @@ class ModuleWorkspaceState:
         self.filled: dict[str, tuple[int, bool, tuple[int, int]]] = {}
         #: weight key -> the rebuild quantizer made for it (see backward_quantizer).
         self._rebuilders: dict[str, Any] = {}
-        # The step generation must count every optimizer step from the first
-        # drop-in on: the freshness of every copy is judged by it (D12).
+        #: The clock of the module's copies: how many writes of its weights
+        #: the binding was told of (see the module docstring).
+        self.writes = 0
+        #: The model the module belongs to (set at its first use, or by convert_model).
+        self.model: Any = None
+        #: Whether the module's first managed call has run ``install`` (the
+        #: state may exist before: TE's constructor calls ``reset_parameters``).
+        self.installed = False
+        #: Whether the module has computed with quantized parameters: their
+        #: transposes are made again, and their shards trimmed, at each step that writes them.
+        self.holds_quantized = False
+        #: ``(ids, quantizers)`` of the expert quantizers last found alike
+        #: (``_expert_quantize``), holding them so that no id is reused meanwhile.
+        self.alike: tuple | None = None
+        # The clock must count every optimizer step from the first drop-in
+        # on: the freshness of every copy is judged by it (D12).
         ensure_hook()
 
     def __reduce__(self):
@@ -122,6 +146,25 @@ class ModuleWorkspaceState:
     def policy(self, policy: Policy | None) -> None:
         self._policy = policy
         self._memo.clear()
+
+    # -- the clock (D12) -----------------------------------------------------------
+    def note_written(self) -> None:
+        """The module's weights were written: every copy made before counts as old."""
+        self.writes += 1
+
+    def sharded_sources(self, module: Any) -> list[int] | tuple | None:
+        """The ids of the sharded parameters FSDP2 gathers this module's
+        parameters from (its records; empty where FSDP2 does not manage the
+        module): an optimizer holds these, not what the module registers
+        while it holds the unsharded ones. None: FSDP2 manages the module
+        but its records list none of its parameters, so every step counts
+        as writing it. A probe given to describe a sharding without FSDP2
+        (one without ``parameters``) has no sharded parameters."""
+        probe = self.probe(module)
+        if not probe.is_fsdp2 or not hasattr(probe, "parameters"):
+            return ()
+        records = probe.parameters(module)
+        return [id(record.sharded) for record in records] if records else None
 
     # -- sharding -----------------------------------------------------------------
     def sharding(self, module: Any) -> Sharding:
@@ -155,8 +198,9 @@ class ModuleWorkspaceState:
                 version = weight._version
             except (AttributeError, RuntimeError):  # none kept (an inference tensor): _freshness.version_of, inline
                 version = 0
-            if getattr(weight, STAMP, None) != (STEPS.value, version):
-                refresh_parameter(weight)  # written since its derived data was made (docs/decisions.md, D12)
+            if getattr(weight, STAMP, None) != (self.writes, version):
+                # Written since its derived data was made (docs/decisions.md, D12).
+                refresh_parameter(weight, self.writes)
         source = weight._quantizer if is_qp else quantizer
         if default_registry.generation != self._generation:
             self._forget()
@@ -181,9 +225,9 @@ class ModuleWorkspaceState:
         except KeyError:
             levers = self._memo[shape] = self._plan(shape, source)
             if is_qp:
-                # Its parameters' transposes are invalidated at every
-                # optimizer step (D12); under FSDP2 its shards are trimmed too.
-                track(module)
+                # Its parameters' transposes are made again at every
+                # optimizer step that writes them (D12); under FSDP2 its shards are trimmed too.
+                self.holds_quantized = True
         self._last[key] = levers
         return levers
 
@@ -269,11 +313,16 @@ class ModuleWorkspaceState:
         return rebuilder
 
 
-def state_of(module: Any) -> ModuleWorkspaceState:
-    """The drop-in ``module``'s state, made on first use (a converted module
-    gets its state at its first call)."""
+def state_of(module: Any, model: Any = None) -> ModuleWorkspaceState:
+    """The drop-in ``module``'s state, made on first use, in a model: in
+    ``model`` (a ``ModelWorkspaceState``) where given, which takes the module
+    in, else in the model it belongs to or, for none yet, one of its own."""
     state = module._wm_state
     if state is None:
         state = ModuleWorkspaceState(module._wm_kind)
         module.__dict__["_wm_state"] = state  # not a parameter, buffer or submodule
+    if model is not None:
+        model.add(module, state)
+    elif state.model is None:  # new, or a copy's (copies keep only the pinned policy)
+        model_state(module, state)
     return state

@@ -1,29 +1,27 @@
-"""Everything the binding does at an optimizer step, behind one hook.
+"""An optimizer step, as the binding sees it: :class:`Step`, and the tasks run at it.
 
-Four things happen there: the step generation (:data:`STEPS`) moves on,
-so that every quantized copy made before the step counts as stale
-(``_freshness``: docs/decisions.md, D12), cached workspaces marked for
-release are dropped, sharded quantized parameters whose columnwise data
-reappeared are trimmed again, and an active attribution recording takes a
-timeline point. One global ``torch.optim`` step post-hook, installed by the
-first drop-in (TE's ``FusedAdam`` is a ``torch.optim.Optimizer``, so its
-steps run it too), runs them in that order; the other modules register
-their task here, so this module imports none of them. A task is handed the
-tracked modules the stepping optimizer wrote (those holding one of its
-parameters): a process that trains two models, each with its optimizer,
-does not remake one model's transposes at the other's step. The generation
-still moves at every step, so a copy a task did not remake is found old by
-the stamps at its next use (``_freshness``): the scoping saves work, it
-cannot let a stale copy through.
+One ``torch.optim`` step post-hook (installed with the first drop-in's
+state, or by a recording; TE's ``FusedAdam`` is a ``torch.optim.Optimizer``,
+so its steps run it too) describes each step as a :class:`Step` and runs
+the step tasks on it. A step wrote exactly the parameters in the stepping
+optimizer's param groups; a module counts as written when the step wrote
+one of its own parameters (:meth:`Step.wrote`), directly or, under FSDP2,
+through the sharded parameter FSDP2 gathers it from (FSDP2's own records,
+``workspace_manager.fsdp2_parameters``). So one model's step leaves every
+other model's copies as they are (docs/decisions.md, D12).
 
-Cache release: a plan with ``Release.CACHED_WORKSPACE`` (FSDP2 with
-``reshard_after_forward=False``, microbatches and the microbatch cache
-option, ``MicrobatchCache.EXACT_FORMATS``, off by default) keeps one workspace per
-weight for every microbatch of a step. The module cannot tell which
-backward is the step's last, so each backward marks the entry, and the
-entries are dropped at the next optimizer step, or when the user calls
-:func:`release_step_caches`. Dropping only removes the module's reference:
-a pending backward that saved the workspace keeps its own.
+The guarantee never rests on that map being complete. Where it cannot be
+read, a step counts as writing more, never less:
+
+* an optimizer without ``param_groups``, or one holding a DTensor that no
+  FSDP2 record names, wrote every module of every model
+  (:attr:`Step.everything`);
+* a drop-in FSDP2 manages whose parameters FSDP2's records do not list
+  is written by every step (``ModuleWorkspaceState.sharded_sources``).
+
+The tasks run in the order :data:`ORDER` declares, whatever order their
+modules were imported in: each module registers its task under its name
+(:func:`step_task`), so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -31,39 +29,45 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["release_step_caches", "STEPS"]
+from workspace_manager.extending import fsdp2_parameters
 
+__all__ = ["Step", "ORDER", "step_task", "ensure_hook"]
 
-class StepGeneration:
-    """How many optimizer steps (and explicit releases) the process has
-    seen: a copy stamped with an older value was made from older weights.
-    One int attribute, read inline by the hot paths."""
+#: The step tasks, in the order they run: the written modules' copies
+#: count as old (their clock moves), the cache entries marked for release
+#: at the step are dropped, quantized parameters' transposes are made again
+#: from the data just written, sharded quantized parameters are trimmed
+#: again, and an active recording takes its timeline point.
+ORDER = ("weights_written", "step_caches", "parameter_transposes", "shard_trim", "recording_point")
 
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def advance(self) -> None:
-        self.value += 1
-
-
-#: The process's step generation (see :class:`StepGeneration`).
-STEPS = StepGeneration()
-
-_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_TRACKED: weakref.WeakSet = weakref.WeakSet()
-_TASKS: list[Callable[[list[Any]], None]] = []
-#: Per optimizer: its param groups' signature and the ids of its parameters.
-_OPTIMIZER_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TASKS: dict[str, Callable[[Step], None]] = {}
 _LOCK = threading.Lock()
 _HOOK: Any = None
+#: Per optimizer: its param groups' signature and what a step of it writes
+#: (weak: an optimizer's entry goes with it).
+_PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_task(name: str) -> Callable[[Callable[[Step], None]], Callable[[Step], None]]:
+    """Register the decorated ``task(step)`` as the step task ``name``, one
+    of :data:`ORDER`; a name outside it, or taken by another function, is refused."""
+    if name not in ORDER:
+        raise ValueError(f"step_task: {name!r} is not a step task; the tasks are {', '.join(ORDER)} "
+                         "(add a new one to _step_hook.ORDER, where it takes its place in the order)")
+
+    def register(task: Callable[[Step], None]) -> Callable[[Step], None]:
+        taken = _TASKS.get(name)
+        if taken is not None and getattr(taken, "__qualname__", None) != getattr(task, "__qualname__", None):
+            raise ValueError(f"step_task: {name!r} is already {taken.__qualname__}; each task has one function")
+        _TASKS[name] = task
+        return task
+
+    return register
 
 
 def ensure_hook() -> None:
@@ -76,84 +80,88 @@ def ensure_hook() -> None:
             _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def add_step_task(task: Callable[[list[Any]], None]) -> None:
-    """Run ``task(modules)`` at every optimizer step, after the cache
-    release, with the tracked modules that step wrote (:func:`stepped`)."""
-    if task not in _TASKS:
-        _TASKS.append(task)
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    step = Step.of(optimizer)
+    for name in ORDER:
+        task = _TASKS.get(name)
+        if task is not None:
+            task(step)
 
 
-def track(module: Any) -> None:
-    """Check ``module``'s quantized parameters after every optimizer step
-    from now on: their transposes are invalidated (``_freshness``) and, under
-    FSDP2, their shards trimmed (``_shards``)."""
-    _TRACKED.add(module)
-    ensure_hook()
+class Step:
+    """One optimizer step: which parameters it wrote (see the module docstring)."""
+
+    __slots__ = ("ids", "everything", "why", "memo")
+
+    def __init__(self, ids: frozenset[int], everything: bool = False, why: str = "") -> None:
+        #: The ids of the parameters the step wrote.
+        self.ids = ids
+        #: The step may have written any parameter: every module counts as written.
+        self.everything = everything
+        #: Why :attr:`everything` is set.
+        self.why = why
+        #: What the tasks find once for the step and share (``_model.written_drop_ins``).
+        self.memo: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, optimizer: Any) -> Step:
+        """The step ``optimizer`` takes now."""
+        ids, why = _placement(optimizer)
+        return cls(ids, everything=ids is None, why=why)
+
+    def wrote(self, module: Any) -> bool:
+        """Whether the step wrote one of drop-in ``module``'s own parameters:
+        a registered one, or (under FSDP2) the sharded one FSDP2 gathers it
+        from (``ModuleWorkspaceState.sharded_sources``). Run for every drop-in
+        at every step, so the common answers cost no call."""
+        if self.everything:
+            return True
+        ids = self.ids
+        for param in module._parameters.values():
+            if id(param) in ids:
+                return True
+        sharded = module._wm_state.sharded_sources(module)
+        return sharded is None or not ids.isdisjoint(sharded)
+
+    def wrote_any(self, sources: Iterable[int] | None) -> bool:
+        """Whether the step wrote one of the tensors with these ids (None:
+        sources that could not be found, which any step may have written)."""
+        return self.everything or sources is None or not self.ids.isdisjoint(sources)
+
+    def written(self, modules: Iterable[Any]) -> tuple:
+        """Those of the drop-ins ``modules`` the step wrote."""
+        return tuple(m for m in modules if self.wrote(m))
 
 
-def tracked() -> list[Any]:
-    return list(_TRACKED)
-
-
-def _parameter_ids(optimizer: Any) -> frozenset[int] | None:
-    """The ids of ``optimizer``'s parameters, remembered while its param
-    groups keep their lists and lengths; None: it has no param groups."""
+def _placement(optimizer: Any) -> tuple[frozenset[int] | None, str]:
+    """The ids a step of ``optimizer`` writes, remembered while its param
+    groups keep their lists and lengths; None (with why) where they cannot
+    all be placed, found again at the next step (FSDP2 may be applied since)."""
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list):
-        return None
+        return None, f"{type(optimizer).__name__} lists no param_groups"
     signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
     try:
-        known = _OPTIMIZER_PARAMS.get(optimizer)
-    except TypeError:  # not weakly referable: found again at each step
+        known = _PLACEMENTS.get(optimizer)
+    except TypeError:  # not weakly referable: placed again at each step
         known = None
     if known is None or known[0] != signature:
-        known = (signature, frozenset(id(p) for group in groups for p in group["params"]))
-        with contextlib.suppress(TypeError):
-            _OPTIMIZER_PARAMS[optimizer] = known
-    return known[1]
+        known = (signature, *_place([p for group in groups for p in group["params"]]))
+        if known[1] is not None:
+            with contextlib.suppress(TypeError):
+                _PLACEMENTS[optimizer] = known
+    return known[1], known[2]
 
 
-def stepped(optimizer: Any) -> list[Any]:
-    """The tracked modules holding a parameter of ``optimizer`` (every
-    tracked module where the optimizer lists no param groups)."""
-    ids = _parameter_ids(optimizer)
-    modules = tracked()
-    if ids is None:
-        return modules
-    return [m for m in modules if any(id(p) in ids for p in m._parameters.values() if p is not None)]
-
-
-def release_after_step(module: Any, key: str) -> None:
-    """Mark ``module``'s cached workspace ``key`` for release after the step."""
-    with _LOCK:
-        _PENDING.setdefault(module, set()).add(key)
-    ensure_hook()
-
-
-def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    STEPS.advance()
-    if _PENDING:
-        release_step_caches()
-    if _TASKS:
-        modules = stepped(optimizer)
-        for task in _TASKS:
-            task(modules)
-
-
-def release_step_caches(model: torch.nn.Module | None = None) -> int:
-    """Drop the cached workspaces marked for release after the step, in
-    ``model`` (or everywhere). Returns how many were dropped. Call it after
-    the step's last backward when no ``torch.optim`` optimizer steps."""
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"release_step_caches: model must be a torch.nn.Module or None; "
-                        f"received {type(model).__name__}")
-    with _LOCK:
-        modules = list(_PENDING.keys())
-        if model is not None:
-            inside = {id(m) for m in model.modules()}
-            modules = [m for m in modules if id(m) in inside]
-        dropped = 0
-        for module in modules:
-            for key in _PENDING.pop(module, ()):
-                dropped += module._fp8_workspaces.pop(key, None) is not None
-    return dropped
+def _place(params: list) -> tuple[frozenset[int] | None, str]:
+    """The ids of ``params``; None where one is a DTensor that no FSDP2
+    record names: sharded by something whose gathered tensors the binding
+    cannot find, so it cannot tell which modules compute from it."""
+    dtensors = [p for p in params if hasattr(p, "_local_tensor") and hasattr(p, "device_mesh")]
+    if dtensors:
+        sharded = {id(record.sharded) for record in fsdp2_parameters()}
+        for param in dtensors:
+            if id(param) not in sharded:
+                return None, (f"it holds a {type(param).__name__} parameter of shape {tuple(param.shape)} that "
+                              "no FSDP2 record names")
+    return frozenset(map(id, params)), ""

@@ -28,7 +28,7 @@ def _te_extra_hint() -> str:
     """TE missing or of another version: the te extra pins TE to SUPPORTED,
     so installing it replaces another. (Imported here, when a message needs
     it: loading this layer alone imports nothing of the core.)"""
-    from workspace_manager import install_hint
+    from workspace_manager.extending import install_hint
 
     return install_hint("te")
 

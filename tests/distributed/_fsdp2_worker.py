@@ -237,7 +237,7 @@ def outside_root_rows(mesh) -> list[dict]:
 def _last_layer_row(mesh) -> dict:
     """One layer switched on its own (the last layer kept gathered after
     forward), after a step: its probe follows, its neighbour's does not."""
-    from workspace_manager import probe_fsdp2_sharding
+    from workspace_manager.extending import probe_fsdp2_sharding
 
     model = nn.Sequential(lin(), lin())
     for layer in model:
@@ -255,7 +255,7 @@ def toggle_rows(mesh) -> list[dict]:
     """A probe made once follows ``set_reshard_after_forward`` in both
     directions, before and after FSDP2's lazy init (a binding keeps one
     probe per module and reads it on every call)."""
-    from workspace_manager import probe_fsdp2_sharding
+    from workspace_manager.extending import probe_fsdp2_sharding
 
     model = nn.Sequential(lin(), lin())
     fully_shard(model[0], mesh=mesh, reshard_after_forward=True)
@@ -300,7 +300,7 @@ def gathered_rows(mesh) -> list[dict]:
     """``fsdp2_gathered_parameters`` lists an unsharded parameter under every
     module that registers it: the wrapper FSDP2 names as its owner and the
     child sharing it."""
-    from workspace_manager import fsdp2_gathered_parameters
+    from workspace_manager.extending import fsdp2_gathered_parameters
 
     model = nn.Sequential(SharesChildWeight(), lin())
     fully_shard(model, mesh=mesh, reshard_after_forward=False)

@@ -1,5 +1,5 @@
 """The quantized FSDP2 all-gather, for real: run under
-``torchrun --nproc_per_node=N tests/distributed/_gather_worker.py OUT_DIR``.
+``torchrun --nproc_per_node=N tests/distributed/_gather_worker.py RESULT.json``.
 
 Every case builds the same small model twice on CPU: "stock" (plain
 parameters, FSDP2 gathers them in their dtype, each ref_linear quantizes the
@@ -8,7 +8,8 @@ whole gathered weight) and "ours" (the weights wrapped by
 FSDP2 gathers the FP8 bytes). Layer shapes make FSDP2's shards uneven at
 world size 4 (rows 3,3,3,1) and leave one rank a shard with no rows. Each
 check is a row ``{case, check, expected, got, passed}``; rank 0 writes every
-rank's rows to OUT_DIR/rows.json, and the exit status is 1 on any failed row.
+rank's rows to RESULT.json (the checkpoint goes beside it), and the exit
+status is 1 on any failed row.
 """
 
 from __future__ import annotations
@@ -482,12 +483,13 @@ def run_all(mesh, out_dir: Path) -> list[dict]:
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1])
+    result = Path(sys.argv[1])
+    out_dir = result.parent
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     rows = run_all(mesh, out_dir)
-    return report(out_dir / "rows.json", {"rank": rank, "rows": rows})
+    return report(result, {"rank": rank, "rows": rows})
 
 
 if __name__ == "__main__":

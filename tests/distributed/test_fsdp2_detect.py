@@ -4,6 +4,8 @@ that need no process group."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,9 @@ from workspace_manager._context import Sharding
 from workspace_manager._errors import ContextTypeError
 from workspace_manager._fsdp2 import detect_fsdp2_sharding
 
-from _torchrun import gloo_unavailable, run_torchrun
+from _torchrun import REPO, gloo_unavailable, run_torchrun
 
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
-TIMEOUT_S = 300
 
 
 @pytest.mark.distributed
@@ -26,7 +27,7 @@ def test_fsdp2_detection_under_torchrun(tmp_path: Path) -> None:
     if reason:
         pytest.skip(reason)
     result = tmp_path / "fsdp2_detect.json"
-    proc = run_torchrun(WORKER, [str(result)], timeout_s=TIMEOUT_S)
+    proc = run_torchrun(WORKER.name, result)
     tail = proc.stdout[-6000:]
     assert result.exists(), f"the worker wrote no result (rc={proc.returncode}); output:\n{tail}"
     report = json.loads(result.read_text())
@@ -60,3 +61,15 @@ def test_non_module_is_a_type_error(bad: object) -> None:
 def test_non_module_root_is_a_type_error() -> None:
     with pytest.raises(ContextTypeError, match="root must be a torch.nn.Module"):
         detect_fsdp2_sharding(nn.Linear(2, 2), root=torch.zeros(1))  # type: ignore[arg-type]
+
+
+def test_fsdp2_imported_by_its_older_path_is_seen() -> None:
+    """``torch.distributed._composable.fsdp`` (FSDP2's path before torch 2.6,
+    still importable) re-exports ``torch.distributed.fsdp``'s, so importing
+    it alone imports the one package the detection looks for."""
+    code = ("import sys; from torch.distributed._composable.fsdp import fully_shard; "
+            "from workspace_manager._fsdp2 import _FSDP2_PACKAGE, _fsdp2_api; "
+            "print(_FSDP2_PACKAGE in sys.modules, _fsdp2_api() is not None)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]

@@ -5,16 +5,13 @@ import this project."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from _torchrun import gloo_unavailable, run_torchrun
-
-WORKER = Path(__file__).with_name("_gather_worker.py")
+from _torchrun import report_of
 
 #: A process that cannot import the project loads the DCP checkpoint of the
 #: wrapped model into plain tensors and compares them with the whole
@@ -38,14 +35,8 @@ print("loaded", len(fulls), "weights")
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_quantized_gather_under_torchrun(tmp_path: Path, world: int) -> None:
-    reason = gloo_unavailable()
-    if reason:
-        pytest.skip(reason)
-    proc = run_torchrun(WORKER, [str(tmp_path)], nproc=world, timeout_s=420)
-    tail = proc.stdout[-6000:]
-    result = tmp_path / "rows.json"
-    assert result.exists(), f"the worker wrote no result (rc={proc.returncode}); output:\n{tail}"
-    report = json.loads(result.read_text())
+    report = report_of("_gather_worker.py", tmp_path / "rows.json", nproc=world, timeout_s=420)
+    tail = report["output"]
     rows = [(part["rank"], row) for part in report["ranks"] for row in part["rows"]]
     assert report["world_size"] == world and len(report["ranks"]) == world
     # Every rank checked every case: 10 parity configurations, 3 byte checks,
@@ -54,7 +45,7 @@ def test_quantized_gather_under_torchrun(tmp_path: Path, world: int) -> None:
     failed = [f"rank {rank} {row['case']}: {row['check']}: expected {row['expected']}, got {row['got']}"
               for rank, row in rows if not row["passed"]]
     assert not failed, "\n".join(failed[:20]) + f"\n({len(failed)} failed rows)\n{tail}"
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}; output:\n{tail}"
+    assert report["returncode"] == 0, f"torchrun exited {report['returncode']}; output:\n{tail}"
     loaded = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_PACKAGE, str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr[-4000:]

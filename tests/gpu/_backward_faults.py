@@ -99,7 +99,7 @@ def build(setup: Setup, recipe):
         # it (state_of), with the described sharding as its probe and the
         # microbatch cache option pinned (quantized parameters are never cached).
         probe = FixedSharding(setup.sharding, is_fsdp2=False)
-        state = ti.ModuleWorkspaceState(module._wm_kind, CACHE_OPTION, probe=probe)
+        state = ti.debug.ModuleWorkspaceState(module._wm_kind, CACHE_OPTION, probe=probe)
         module.__dict__["_wm_state"] = state
     return module
 

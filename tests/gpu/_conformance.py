@@ -239,12 +239,17 @@ class CallRecorder:
     the quantized storage base class; ``plans``: ``() -> {key: (context,
     plan)}`` (``last_plans`` of the module); ``weights``: ``{key: logical
     shape}``; ``parameter``: ``key -> the parameter object now``;
-    ``cache``: ``() -> the module's cache dict``."""
+    ``cache``: ``() -> the module's cache dict``; ``step_releases``: a set
+    the recorders of one step's calls share, of the weight keys whose cache
+    entry an earlier call's backward marked for release at the step (the
+    binding drops an entry any call of the step marked)."""
 
     def __init__(self, *, files, storage_base: type, plans: Callable[[], dict], weights: dict[str, tuple],
-                 parameter: Callable[[str], Any], cache: Callable[[], dict]) -> None:
+                 parameter: Callable[[str], Any], cache: Callable[[], dict],
+                 step_releases: set[str] | None = None) -> None:
         self.files, self.storage_base, self.plans = files, storage_base, plans
         self.parameter, self.cache = parameter, cache
+        self.step_releases = step_releases if step_releases is not None else set()
         self.records = {key: WeightRecord(key, tuple(shape)) for key, shape in weights.items()}
         self.phase = "idle"
         self.plans_forward: dict = {}
@@ -381,6 +386,8 @@ class CallRecorder:
             yield
         self.phase = "idle"
         self.plans_backward = dict(self.plans())
+        self.step_releases.update(key for key, (_, plan) in self.plans_backward.items()
+                                  if Release.CACHED_WORKSPACE in plan.release)
         gc.collect()
         for record in self.records.values():
             entry = self.cache().get(record.key)
@@ -454,7 +461,7 @@ def _check_weight(rec: CallRecorder, r: WeightRecord) -> list[str]:
         out += _check_dgrad(r, ctx_b, plan_b)
         out += _check_after_backward(r, ctx_b, plan_b)
     if rec.stepped:
-        out += _check_after_step(r, ctx_b, plan_b)
+        out += _check_after_step(r, ctx_b, plan_b, r.key in rec.step_releases)
     return out
 
 
@@ -577,7 +584,9 @@ def _check_after_backward(r: WeightRecord, ctx, plan) -> list[str]:
     return out
 
 
-def _check_after_step(r: WeightRecord, ctx, plan) -> list[str]:
+def _check_after_step(r: WeightRecord, ctx, plan, marked_in_step: bool = False) -> list[str]:
+    """``marked_in_step``: a call of this step (this one or an earlier one)
+    marked the weight's cache entry for release at the step."""
     out = []
     entry = r.entry_after_step
     if Release.CACHED_WORKSPACE in plan.release:
@@ -585,6 +594,10 @@ def _check_after_step(r: WeightRecord, ctx, plan) -> list[str]:
             out.append("release=cached_workspace but the cache entry is still there after the optimizer step")
         elif r.forward is not None and plan.cache.writes and r.alive_after_step is not Usage.NONE:
             out.append(f"release=cached_workspace but its {r.alive_after_step.label} memory is still held")
+    elif marked_in_step:
+        if entry:
+            out.append("an earlier call of the step planned release=cached_workspace, but the cache entry is still "
+                       "there after the optimizer step")
     elif plan.cache.writes and not entry:
         out.append(f"cache={plan.cache.value} without release=cached_workspace, but the entry is gone after the step")
     if ctx.is_quantized_param and ctx.sharding is Sharding.NONE and r.param_after_step is not None:

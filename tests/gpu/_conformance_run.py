@@ -106,7 +106,7 @@ def build(case: Case, managed: bool, recipe, policy=None):
     return module
 
 
-def recorder(module, kind: str) -> CallRecorder:
+def recorder(module, kind: str, step_releases: set[str] | None = None) -> CallRecorder:
     import te_integration as ti
     from te_integration.te import _compat
 
@@ -114,7 +114,7 @@ def recorder(module, kind: str) -> CallRecorder:
         files=[_compat.linear_module, _compat.lnl_module, _compat.lnmlp_module],
         storage_base=_compat.QuantizedTensorStorage, plans=lambda: ti.last_plans(module),
         weights=WEIGHTS[kind], parameter=lambda key: getattr(module, key),
-        cache=lambda: module._fp8_workspaces)
+        cache=lambda: module._fp8_workspaces, step_releases=step_releases)
 
 
 def _inputs(case: Case, step: int, micro: int):
@@ -227,13 +227,14 @@ def run_case(case: Case, policy=None, *, numerics: bool = True, prepare=None) ->
     opts = (_optimizer(stock), _optimizer(managed))
     problems = []
     for step in range(case.steps):
+        releases: set[str] = set()  # the cache entries this step's calls marked for release
         for micro, first in enumerate(case.microbatches):
             where = f"{case.label} step {step} call {micro}"
             try:
                 want = _call(stock, case, recipe, _inputs(case, step, micro), first, None)
             except Exception as err:  # noqa: BLE001  (TE's own failure: nothing to compare against)
                 raise StockTEFails(f"{where}: stock TE itself raises {type(err).__name__}: {err}") from err
-            rec = recorder(managed, case.kind)
+            rec = recorder(managed, case.kind, releases)
             got = _call(managed, case, recipe, _inputs(case, step, micro), first, rec)
             last = micro == len(case.microbatches) - 1 and not case.no_grad
             if last:

@@ -269,7 +269,7 @@ def attribution(name: str, quantized_init: bool, micro: int = 1, policy: str | N
         for step in range(3):  # every step recorded; the last one's timeline kept
             with ti.record_workspaces(model) as rec:
                 _one_step(model, opt, recipe, step, micro)
-            after = ti.workspace_report(model)
+            after = rec.report()  # with what the seams saw made: a saved workspace still alive is a leftover
             leftovers.append([e.as_dict() for e in after.leftovers])
         result[label] = {"baseline": baseline, "timeline": rec.timeline_dicts(), "after_step": after.as_dict(),
                          "after_step_table": after.table(), "leftovers_per_step": leftovers}

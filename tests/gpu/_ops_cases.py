@@ -104,7 +104,7 @@ def build(case: OpsCase, recipe, managed: bool):
         ti.convert_model(model)
         if case.sharding == "fsdp2":
             for op in drop_in_ops(model):
-                ti.workspace_state(op).sharding_probe = FixedSharding(Sharding.FSDP2_RESHARD, is_fsdp2=False)
+                ti.debug.workspace_state(op).sharding_probe = FixedSharding(Sharding.FSDP2_RESHARD, is_fsdp2=False)
     return model
 
 

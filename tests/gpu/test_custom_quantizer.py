@@ -67,7 +67,7 @@ def example():
 def test_the_kit_passes_on_the_te_quantizer(example, dtype):
     import torch
 
-    from workspace_manager import quantizer_capabilities
+    from workspace_manager.extending import quantizer_capabilities
     from workspace_manager.testing import check_quantizer
 
     caps = quantizer_capabilities(example.ExamplePerTensorFP8Quantizer())
@@ -151,8 +151,9 @@ def test_unregistered_quantizer_fails_at_first_forward_naming_the_class(example,
     registration; instead the class's own entry is removed."""
     import transformer_engine.pytorch as te
 
-    from workspace_manager import UnknownQuantizerError, default_registry
-    from workspace_manager._registry import qualified_name
+    from workspace_manager import UnknownQuantizerError
+    from workspace_manager.extending import default_registry
+    from workspace_manager._quantizer_registry import qualified_name
 
     key = qualified_name(example.ExamplePerTensorFP8Quantizer)
     assert example.ExamplePerTensorFP8Quantizer in default_registry

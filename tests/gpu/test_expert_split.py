@@ -9,10 +9,13 @@ share one copy of the quantizer where TE copies it for each.
 
 Delayed scaling's experts are not split from a group: each is quantized by
 its own quantizer in one multi-tensor call, and is checked against TE's
-per-expert ``quantize`` instead.
+per-expert ``quantize`` instead. So are current and block scaling's, through
+the whole grouped path (``quantize_experts``), edge experts included.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,7 +131,7 @@ def test_delayed_experts_quantized_at_once_hold_what_each_alone_holds(usage):
     rowwise, columnwise = usage != "columnwise", usage != "rowwise"
     weights = [torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(EXPERTS)]
     ours, alone = _delayed_quantizers(7), _delayed_quantizers(7)
-    outs = quantize_experts(ours, weights, rowwise, columnwise)
+    outs = quantize_experts(SimpleNamespace(alike=None), ours, weights, rowwise, columnwise)
     assert outs is not None, "quantize_experts declined delayed scaling's experts"
     for out, weight, quantizer, mine in zip(outs, weights, alone, ours):
         quantizer.set_usage(rowwise=True, columnwise=True)
@@ -141,3 +144,54 @@ def test_delayed_experts_quantized_at_once_hold_what_each_alone_holds(usage):
             if want is not None:
                 assert torch.equal(got, want), name
         assert torch.equal(mine.amax, quantizer.amax)  # the amax delayed scaling's history reads
+
+
+def _reference(quantizer, weight, rowwise: bool, columnwise: bool):
+    """TE's per-expert ``quantize``; a format that cannot build columnwise
+    data alone (per-tensor FP8 on Hopper) builds both and drops the rowwise."""
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    try:
+        return quantizer.quantize(weight)
+    except (NotImplementedError, RuntimeError):
+        if rowwise:
+            raise
+    quantizer.set_usage(rowwise=True, columnwise=True)
+    out = quantizer.quantize(weight)
+    out.update_usage(rowwise_usage=False, columnwise_usage=True)
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise", "both"])
+def test_grouped_experts_quantized_at_once_hold_what_each_alone_holds(recipe, usage):
+    """Current and block scaling's experts through the binding's grouped
+    path (concatenated, one ``tex.group_quantize``, ``split_experts``): every
+    expert's bytes and scales as TE's per-expert ``quantize`` gives them,
+    an all-zero expert and one whose tiny amax makes a huge scale included."""
+    import torch
+    from te_integration.runtime._expert_quantize import quantize_experts
+
+    rowwise, columnwise = usage != "columnwise", usage != "rowwise"
+    weights = [torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16) * (i + 1) for i in range(EXPERTS)]
+    weights[1].zero_()
+    weights[2].mul_(1e-30)
+    ours = [_quantizer(recipe) for _ in range(EXPERTS)]
+    outs = quantize_experts(SimpleNamespace(alike=None), ours, weights, rowwise, columnwise)
+    assert outs is not None, f"quantize_experts declined {recipe}'s experts"
+    for i, (out, weight) in enumerate(zip(outs, weights)):
+        reference = _reference(_quantizer(recipe), weight, rowwise, columnwise)
+        assert type(out) is type(reference) and out.get_usages() == reference.get_usages(), i
+        for name in _FIELDS[type(reference).__name__]:
+            got, want = getattr(out, name), getattr(reference, name)
+            if name == "_transpose" and getattr(reference, "_transpose_invalid", False):
+                continue
+            assert (got is None) == (want is None), (i, name)
+            if want is not None:
+                assert tuple(got.shape) == tuple(want.shape) and torch.equal(_bits(got), _bits(want)), (i, name)
+
+
+def _bits(tensor):
+    """A tensor's bytes, so that an overflowed scale (inf, NaN) compares as its bits do."""
+    import torch
+
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -48,7 +48,8 @@ def _step(module, recipe, seed=3, **kw):
 
 
 def test_unregistered_quantizer_fails_at_first_forward_with_the_registry_message(recipe, monkeypatch):
-    from workspace_manager import UnknownQuantizerError, default_registry
+    from workspace_manager import UnknownQuantizerError
+    from workspace_manager.extending import default_registry
 
     _, managed = _pair()
     monkeypatch.setattr(default_registry, "_entries", {})

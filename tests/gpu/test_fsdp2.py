@@ -202,7 +202,7 @@ def test_recompute_gradients_identical_to_stock(report, recipe, mode, policy):
     and saves it (decisions.md, D3): for DelayedScaling the option still
     leaves it to the rebuild, for the others the saved copy equals the
     rebuild bit for bit. Both passed on 2x H200 at c06af9d, when building
-    once was the default (benchmarks/results/bench-2026-11-30-c06af9d/gpu-tests)."""
+    once was the default (benchmarks/results/gpu_tests/two_gpus/)."""
     runs = [r for r in report["recompute"]
             if r["recipe"] == recipe and r["mode"] == mode and r.get("policy") == policy]
     assert runs, report["errors"]

@@ -11,5 +11,5 @@ harness, run from the repository root on a machine with CUDA and TE.
 | ``report`` | per-test outcomes from JUnit XML, the stock/drop-in comparison and its summary |
 
 ``test_te_suite.py`` and ``test_te_suite_grouped.py`` cover all three on CPU over a small TE stand-in.
-See benchmarks/README.md, "TE's own tests on the drop-ins".
+See README.md beside this file.
 """

@@ -481,7 +481,7 @@ def load_full_binding(monkeypatch) -> SimpleNamespace:
     adapters) loaded against the stand-in, named by their last part
     (``state``, ``registry``, ``kinds``, ``grouped_linear``...); the seams
     are installed into its files at the first drop-in call."""
-    mods = load_binding(monkeypatch, compat(), "runtime._step_hook", "runtime._attribution", "runtime._state",
-                        "runtime._shards", "runtime._call", "runtime._registry", "runtime._install", "runtime._modules",
+    mods = load_binding(monkeypatch, compat(), "runtime._step_hook", "runtime._model", "runtime._attribution", "runtime._state",
+                        "runtime._shards", "runtime._call", "runtime._kind_registry", "runtime._install", "runtime._modules",
                         "runtime._construction", "kinds", "kinds.layernorm_mlp", "kinds.grouped_linear")
     return SimpleNamespace(files=_FILES, **{name.rsplit(".", 1)[-1].lstrip("_"): m for name, m in mods.items()})

@@ -15,7 +15,8 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 
-from workspace_manager import PROFILES, QuantizerCapabilities, WorkspaceContext, WorkspacePlan, select_policy
+from workspace_manager import QuantizerCapabilities, WorkspaceContext, WorkspacePlan, select_policy
+from workspace_manager.extending import PROFILES
 from workspace_manager.testing.invariants import all_contexts, covering
 
 #: One capability set per combination of the three facts, under one

@@ -15,10 +15,6 @@ def gloo():
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()

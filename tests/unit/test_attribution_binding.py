@@ -16,7 +16,8 @@ import pytest
 import torch
 from _binding_standin import load_binding
 
-from workspace_manager import Lifetime, Sharding, WorkspaceContext, WorkspaceKind, select_policy
+from workspace_manager import Sharding, WorkspaceContext, select_policy
+from workspace_manager.attribution import Lifetime, WorkspaceKind
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING
 from workspace_manager.testing.reference import Float8PerTensorQuantizer, Float8PerTensorWeight
 
@@ -43,8 +44,8 @@ def attribution(monkeypatch):
         "TEGroupedLinear": type("_TEGroupedLinear", (torch.nn.Module,), {}),
     }
     loaded = load_binding(monkeypatch, compat, "runtime._attribution", "runtime._state", "runtime._levers",
-                          "runtime._registry")
-    registry = loaded["runtime._registry"]
+                          "runtime._kind_registry")
+    registry = loaded["runtime._kind_registry"]
     # Attribution finds TE modules through the kind registry (the kinds' files fill it).
     for kind, name in (("linear", "TELinear"), ("layernorm_linear", "TELayerNormLinear"),
                        ("layernorm_mlp", "TELayerNormMLP"), ("grouped_linear", "TEGroupedLinear")):
@@ -66,7 +67,7 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ws, attribution, owner):
         ctx.ws, ctx.attribution = ws, attribution
-        if attribution.LEDGER.enabled:
+        if attribution.ACTIVE_RECORDINGS:
             attribution.tag(ctx, owner)
         return x @ weight.t()
 
@@ -95,7 +96,7 @@ class ToyLinear(_TELinear):
     def forward(self, x):
         q = Float8PerTensorQuantizer().quantize(self.weight, rowwise=True, columnwise=True)
         ws = QWeight(shape=q.shape, scale=q.scale, rowwise=q.rowwise, columnwise=q.columnwise)
-        if self.attribution.LEDGER.enabled:  # what the quantize_weight seam does
+        if self.attribution.ACTIVE_RECORDINGS:  # what the quantize_weight seam does
             if self.managed:
                 self.attribution.forward_workspace(self, "weight", _plan(), ws, from_cache=False)
             else:
@@ -137,13 +138,14 @@ def test_saved_workspaces_carry_their_plan_and_a_leak_is_a_leftover(attribution)
     with attribution.record_workspaces(model, timeline=False) as rec:
         _train_one_step(model)
     assert rec.timeline == []
-    report = attribution.workspace_report(model)
+    assert attribution.workspace_report(model).leftovers == ()  # a report of its own sees no seam
+    report = rec.report()  # the recording's: what its seams saw, after the block too
     (left,) = report.leftovers
     assert left.record.module == "0" and left.record.weight == "weight"
     assert left.record.kind is WorkspaceKind.SAVED_FOR_BACKWARD and left.record.lifetime is Lifetime.BACKWARD
     assert left.nbytes == WS_BYTES and "cache=" in left.record.decision
     kept.clear()
-    assert attribution.workspace_report(model).leftovers == ()
+    assert rec.report().leftovers == ()
 
 
 def test_stock_modules_are_observed_without_a_plan(attribution):
@@ -152,7 +154,7 @@ def test_stock_modules_are_observed_without_a_plan(attribution):
     with attribution.record_workspaces(model) as rec:
         _train_one_step(model)
     assert [p.total for p in rec.timeline][:2] == [0, WS_BYTES]
-    (entry,) = attribution.workspace_report(model).entries
+    (entry,) = rec.report().entries
     assert entry.record.kind is WorkspaceKind.UNPLANNED and entry.record.lifetime is Lifetime.UNPLANNED
     assert entry.record.weight == "weight" and not entry.leftover  # no plan, so nothing to hold it to
 
@@ -166,7 +168,7 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
     state.remember(attribution.levers_module.levers_from_plan("weight", ctx, _plan()))
     layer.__dict__["_wm_state"] = state
     model = torch.nn.Sequential(layer)
-    assert not attribution.LEDGER.enabled
+    assert not attribution.ACTIVE_RECORDINGS
     (entry,) = attribution.workspace_report(model).entries
     assert entry.record.kind is WorkspaceKind.CACHED and entry.nbytes == 32 * 16 + 4
     assert entry.record.lifetime is Lifetime.KEPT
@@ -178,11 +180,11 @@ def test_cached_workspaces_are_found_by_inspection_with_recording_off(attributio
 def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
     model = torch.nn.Sequential(ToyLinear(attribution, managed=True))
     with attribution.record_workspaces(model):
-        assert attribution.LEDGER.enabled
+        assert attribution.ACTIVE_RECORDINGS
         with pytest.raises(RuntimeError, match="already active"):
             with attribution.record_workspaces(model):
                 pass
-    assert not attribution.LEDGER.enabled
+    assert not attribution.ACTIVE_RECORDINGS
     with attribution.record_workspaces(model) as rec:  # the hooks were removed: a new block starts clean
         pass
     assert rec.timeline == []
@@ -191,7 +193,8 @@ def test_recording_is_off_outside_the_block_and_does_not_nest(attribution):
 def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
     """A drop-in's quantized parameter: its columnwise copy is reported with
     the plan the policy makes for it, even before the module's first forward."""
-    from workspace_manager import Usage, default_registry
+    from workspace_manager import Usage
+    from workspace_manager.extending import default_registry
     from workspace_manager.testing.reference import REFERENCE_CAPABILITIES
 
     default_registry.register(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, override=True)
@@ -214,3 +217,33 @@ def test_quantized_parameter_data_is_found_with_the_drop_in_plan(attribution):
         assert entry.record.decision.startswith("cache=bypass")
     finally:
         default_registry.unregister(Float8PerTensorQuantizer)
+
+
+def test_fsdp2s_parameters_the_module_does_not_register_now_are_inspected(attribution):
+    """While FSDP2 has a module's unsharded parameter in the shard's place (a
+    forward, a kept gather), the shard's columnwise copy still holds bytes,
+    and after the reshard the unsharded parameter's may: both are found
+    through FSDP2's records of the module's parameters."""
+    from types import SimpleNamespace
+
+    from workspace_manager import Usage
+
+    q = Float8PerTensorQuantizer()
+
+    def quantized(rows: int):
+        w = q.quantize(torch.randn(rows, 16), rowwise=True, columnwise=True)
+        return QWeight(shape=w.shape, scale=w.scale, rowwise=w.rowwise, columnwise=w.columnwise)
+
+    # A shard of 8 rows (its own copy), the unsharded parameter of 32, another module's parameter.
+    shard, unsharded, other = SimpleNamespace(_local_tensor=quantized(8)), quantized(32), quantized(32)
+    layer = ToyLinear(attribution, managed=False)
+    del layer.weight
+    layer.register_parameter("weight", None)
+    records = [SimpleNamespace(module=layer, name="weight", sharded=shard, unsharded=unsharded),
+               SimpleNamespace(module=torch.nn.Linear(2, 2), name="weight", sharded=None, unsharded=other)]
+    ledger = attribution.WorkspaceLedger()
+    attribution.inspect_module(layer, ledger, "0", records)
+    found = sorted((e.record.kind.value, e.usage.label, e.nbytes) for e in ledger.live([layer]))
+    assert found == sorted([(WorkspaceKind.GATHERED.value, Usage.ROWWISE.label, 32 * 16 + 4),
+                            (WorkspaceKind.PARAMETER_COLUMNWISE.value, Usage.COLUMNWISE.label, 32 * 16),
+                            (WorkspaceKind.PARAMETER_COLUMNWISE.value, Usage.COLUMNWISE.label, 8 * 16)])

@@ -178,8 +178,8 @@ def quantized_again(ti, monkeypatch):
         seen.append((tensor, rowwise, columnwise))
         return step(quantizer, tensor, rowwise, columnwise, restore)
 
-    def recording_grouped(quantizers, weights, rowwise, columnwise):
-        out = grouped(quantizers, weights, rowwise, columnwise)
+    def recording_grouped(state, quantizers, weights, rowwise, columnwise):
+        out = grouped(state, quantizers, weights, rowwise, columnwise)
         if out is not None:
             seen.extend((tensor, rowwise, columnwise) for tensor in weights)
         return out

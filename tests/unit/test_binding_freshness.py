@@ -18,7 +18,7 @@ import pytest
 import torch
 from _fake_te import Float8CurrentScalingQuantizer, QuantizedTensorStorage, TELinear, _round, load_full_binding
 
-from workspace_manager import fsdp2_gathered_parameters
+from workspace_manager.extending import fsdp2_gathered_parameters
 
 
 @pytest.fixture
@@ -41,8 +41,11 @@ def _quantized_weight(weight: torch.Tensor):
 
 
 def _with_weight(module, weight):
-    del module.weight  # the stand-in's quantized weight is no torch.Tensor
-    module.weight = weight
+    """``module`` with ``weight`` registered as its parameter ``weight``, as
+    TE registers a quantized parameter (the stand-in's quantized weight is
+    no torch.Tensor, so it goes into ``_parameters`` directly)."""
+    del module.weight
+    module._parameters["weight"] = weight
     return module
 
 
@@ -52,10 +55,25 @@ def _fp8_optimizer_write(qp, new_weight: torch.Tensor) -> None:
     qp._data.copy_(_round(new_weight))
 
 
-def _any_optimizer_step() -> None:
-    """A step of a torch.optim optimizer holding none of the tests' weights
-    (FusedAdam is one): the global step hook runs and moves the generation."""
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
+class SilentFP8Writer(torch.optim.Optimizer):
+    """A stand-in of TE's FusedAdam over DelayedScaling FP8 parameters: a
+    ``torch.optim`` optimizer whose step rewrites each parameter's rowwise
+    data in place through the raw buffer (``writes``: parameter -> new
+    weight, consumed by the step) and leaves its transpose flagged valid.
+    Its param groups hold the stand-in's quantized weights, which are no
+    torch.Tensor, so they are put there after torch's own checks."""
+
+    def __init__(self, params) -> None:
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+        self.param_groups[0]["params"] = list(params)
+        self.writes: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for param in self.param_groups[0]["params"]:
+            new = self.writes.pop(id(param), None)
+            if new is not None:
+                _fp8_optimizer_write(param, new)
 
 
 def _input_grad(module) -> torch.Tensor:
@@ -68,11 +86,12 @@ def test_after_an_optimizer_step_dgrad_reads_the_current_weights_transpose(ti):
     w0, w1 = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
     managed = _with_weight(ti.modules.convert_model(TELinear(8, 8)), _quantized_weight(w0))
     stock = _with_weight(TELinear(8, 8), _quantized_weight(w0))
+    optimizer = SilentFP8Writer([managed.weight, stock.weight])
     for module in (managed, stock):
         _input_grad(module)  # step 1 derives the transpose
-        _fp8_optimizer_write(module.weight, w1)
-    assert managed in ti.step_hook.tracked() and stock not in ti.step_hook.tracked()
-    _any_optimizer_step()
+        optimizer.writes[id(module.weight)] = w1
+    assert ti.state.state_of(managed).holds_quantized
+    optimizer.step()
     current, old = torch.ones(4, 8) @ _round(w1), torch.ones(4, 8) @ _round(w0)
     assert torch.equal(_input_grad(managed), current)
     assert torch.equal(_input_grad(stock), old)  # stock TE's stale read, on the same stand-in
@@ -119,7 +138,7 @@ def _registered_quantized_param() -> QParam:
 def test_a_step_makes_a_drop_ins_parameter_transposes_again_from_the_new_data(ti):
     managed = ti.modules.convert_model(TELinear(8, 8))
     param = managed.weight = _registered_quantized_param()
-    ti.step_hook.track(managed)  # what the module's first planned call of a quantized parameter does
+    ti.state.state_of(managed).holds_quantized = True  # what its first planned call of a quantized parameter does
     _fp8_optimizer_write(param, torch.randn(8, 8))
     torch.optim.SGD([param], lr=0.1).step()
     # Current, valid, and the plan's usages kept (rowwise and columnwise).
@@ -131,7 +150,7 @@ def test_a_step_remakes_only_the_transposes_of_the_modules_whose_parameters_it_h
     for module in (stepped, other):
         module.weight = _registered_quantized_param()
         module.weight._transpose = module.weight._data.t().contiguous()  # current
-        ti.step_hook.track(module)
+        ti.state.state_of(module).holds_quantized = True
     kept = other.weight._transpose
     optimizer = torch.optim.SGD([stepped.weight], lr=0.1)
     for _ in range(2):  # the second step finds the optimizer's parameters remembered
@@ -162,7 +181,7 @@ def test_a_later_microbatch_after_an_optimizer_step_refreshes_the_cached_workspa
     for module in (managed, stock):
         module(x, is_first_microbatch=True)
         module.weight.data.add_(1.0)  # ``.data``: no version change; only the step says so
-    _any_optimizer_step()
+    torch.optim.SGD([managed.weight, stock.weight], lr=0.1).step()  # no gradients: the step writes nothing itself
     expected = x @ _round(managed.weight).t()
     assert torch.equal(managed(x, is_first_microbatch=False), expected)
     assert not torch.equal(stock(x, is_first_microbatch=False), expected)
@@ -225,7 +244,7 @@ def test_stale_workspaces_finds_stocks_stale_transpose_and_none_in_the_drop_in(t
         module.weight._transpose = module.weight._data.t().clone()  # derived in step 1
         assert ti.stale.stale_workspaces(module) == []
         _fp8_optimizer_write(module.weight, torch.randn(8, 8))
-    ti.step_hook.track(model["managed"])  # as its first planned call of a quantized parameter does
+    ti.state.state_of(model["managed"]).holds_quantized = True  # as its first planned call of a quantized parameter does
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # the optimizer that wrote them
     found = ti.stale.stale_workspaces(model)
     assert [(s.module, s.weight, s.kind) for s in found] == [("stock", "weight", ti.stale.StaleKind.TRANSPOSE_MISMATCH)]
@@ -246,10 +265,11 @@ def test_check_stale_reads_raises_at_stocks_dgrad_and_counts_none_for_the_drop_i
     w0, w1 = torch.randn(8, 8), torch.randn(8, 8)
     managed = _with_weight(ti.modules.convert_model(TELinear(8, 8)), _quantized_weight(w0))
     stock = _with_weight(TELinear(8, 8), _quantized_weight(w0))
+    optimizer = SilentFP8Writer([managed.weight, stock.weight])
     for module in (managed, stock):
         _input_grad(module)
-        _fp8_optimizer_write(module.weight, w1)
-    _any_optimizer_step()
+        optimizer.writes[id(module.weight)] = w1
+    optimizer.step()
     with ti.watch.check_stale_reads(action="count") as watch:
         _input_grad(managed)
     assert watch.reads == [] and watch.compared == 1

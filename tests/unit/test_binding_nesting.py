@@ -196,7 +196,7 @@ def test_a_backward_that_raises_still_releases_the_planned_cache(ti, monkeypatch
     with pytest.raises(InjectedFault):
         out.sum().backward()  # the step's first backward: nothing was marked before it
     assert managed._fp8_workspaces == {"weight": cached}  # dropped at the step's end, not before
-    assert ti.step_hook.release_step_caches(managed) == 1 and managed._fp8_workspaces == {}
+    assert ti.model.release_step_caches(managed) == 1 and managed._fp8_workspaces == {}
 
 # -- faults in nested modules (the GPU version: tests/gpu/test_nesting.py) ----------
 #: scenario -> phases a fault is injected in: the forward (a checkpoint's

@@ -1,8 +1,7 @@
 """te_integration's seams on CPU: the plan each recompute setting gets, and
 the TE levers the seams set from it, with a stand-in for TE.
 
-The GPU found the case these pin down (benchmarks/results/
-bench-2026-11-30-d7db962): under FSDP2 and ``te.checkpoint``, a delayed-scaling
+The GPU found the case these pin down (a run at d7db962): under FSDP2 and ``te.checkpoint``, a delayed-scaling
 recompute pass must leave dgrad's copy to TE's backward rebuild, while
 ``LayerNormMLP(checkpoint=True)`` keeps the pass's copy (decisions.md, D3).
 By default every format's ``te.checkpoint`` pass leaves it to the rebuild,

@@ -2,8 +2,8 @@
 calls (Python functions and builtins) of a drop-in Linear call, forward and
 backward, over a stock call with the seams taken out, on the CPU stand-in
 TE. A count is exact on any machine, so this can hold a budget that a timed
-unit test could not (the GPU benchmark ``benchmarks/call_overhead.py``
-measures the time)."""
+unit test could not (the GPU benchmarks count the same calls per step:
+``benchmarks.step_time --profile``, ``benchmarks.moe_step``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import pytest
 
 from workspace_manager import (
-    PROFILES,
     BackwardSource,
     CacheAction,
     FSDP2WorkspacePolicy,
@@ -16,6 +15,7 @@ from workspace_manager import (
     WorkspaceContext,
     WorkspacePolicy,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager.testing import invariants as inv
 
 CURRENT = PROFILES["float8_current_scaling"]

@@ -127,7 +127,7 @@ def test_one_legend_explains_every_word_of_every_table(capsys, argv):
         assert not missing, f"{policy}: not in the legend: {sorted(missing)}"
         header = table[0].split()
         assert header[:4] == ["cache", "forward", "backward", "dgrad"] and "dgrad col" in terms
-    for term in ("hp_weight", "qparam", "mb:first", "saved_ws", "quantizers") if argv == ["--full"] else ():
+    for term in ("hp_weight", "qparam", "mb:first", "saved_ws") if argv == ["--full"] else ():
         assert term in terms, term
 
 
@@ -260,47 +260,41 @@ def test_one_policy_fits_one_screen(capsys):
     assert len(lines) <= 40 and max(map(len, lines)) <= 80
 
 
-def test_recipe_shows_only_the_settings_that_depend_on_the_recipe(capsys):
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling"])
+def test_recipe_shows_the_recipes_plans(capsys):
+    """``--recipe`` narrows the table to that recipe's plans, every setting
+    of them: the rows are the recipe's own, as ``--json`` gives them."""
+    main(["explain", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
     out = capsys.readouterr().out
     table, _ = _table_and_legend(out)
     headings = [l for l in table[1:] if l and not l.startswith(" ")]
-    # high-precision weights get one plan whatever the recipe; quantized parameters do not (derived or gathered)
-    assert headings == ["fsdp2_any train qparam", "fsdp2_any no_grad qparam"]
-    assert "  4 more settings: every TE recipe gets the same plan (--full shows them)" in table
-    assert "MXFP8BlockScaling" not in out and "all but" not in out  # the named recipe's plans only
-    main(["explain", "--policy", "fsdp2", "--recipe", "Float8CurrentScaling", "--full"])
-    assert "fsdp2_reshard train hp_weight" in capsys.readouterr().out
+    assert headings == ["unsharded train hp_weight", "unsharded no_grad hp_weight", "unsharded train qparam",
+                        "unsharded no_grad qparam"]
+    at = table.index("unsharded train hp_weight")
+    assert [l.split() for l in table[at + 1:at + 4]] == [
+        ["mb:none", "bypass", "row+col", "saved_ws:col", "fwd", "-", "-"],
+        ["mb:first", "fill", "row+col", "saved_ws:col", "fwd", "-", "-"],
+        ["mb:later", "reuse", "row+col", "saved_ws:col", "fwd", "-", "-"]]
+    assert "more setting" not in out and "MXFP8BlockScaling" not in out
+    main(["explain", "--json", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
+    rows = json.loads(capsys.readouterr().out)
+    cached = [r for r in rows if r["context"]["microbatch"] == "later" and r["context"]["grad_enabled"]
+              and r["context"]["weight"] == "high_precision"]
+    assert [r["plan"]["cache"] for r in cached] == ["reuse"]
+    # every policy shows the recipe's plans, also where every recipe gets the same ones
+    main(["explain", "--recipe", "Float8CurrentScaling"])
+    blocks, _ = _parse(capsys.readouterr().out)
+    assert list(blocks) == list(POLICY_CHOICES) and all(len(table) > 2 for _, table in blocks.values())
 
 
-def test_recipe_dependent_keeps_exactly_the_settings_whose_plans_differ():
-    from workspace_manager._explain import decision_table, recipe_dependent
-    from workspace_manager._explain_layout import setting_words
-
-    def heading(row) -> tuple[str, str]:  # (policy, setting without its microbatch position)
-        return row.policy, " ".join(w for w in setting_words(row.context).split() if not w.startswith("mb:"))
-
-    every = decision_table(list(RECIPE_PROFILES.values()))
-    plans: dict[tuple[str, str], set] = {}
-    for row in every:
-        plans.setdefault(heading(row), set()).add((setting_words(row.context), row.plan))
-    named = [r for r in every if r.context.capabilities is RECIPE_PROFILES["Float8CurrentScaling"]]
-    kept, hidden = recipe_dependent(named)
-    differ = {key for key, found in plans.items() if len(found) > len({s for s, _ in found})}
-    assert kept and {heading(r) for r in kept} == differ
-    # a shown setting keeps all its microbatch positions, and only the named recipe's rows
-    assert kept == [r for r in named if heading(r) in differ]
-    assert list(hidden) == list(POLICY_CHOICES)
-    assert sum(hidden.values()) == len(plans) - len(differ) and hidden["fsdp2"] == 4
-
-
-def test_a_policy_whose_settings_all_agree_says_so(capsys):
-    main(["explain", "--policy", "plain", "--recipe", "Float8CurrentScaling"])
-    out = capsys.readouterr().out
-    blocks, _ = _parse(out)
-    summary, table = blocks["plain"]
-    assert summary[0] == "  WorkspacePolicy()" and table == [
-        "  4 more settings: every TE recipe gets the same plan (--full shows them)"]
+@pytest.mark.parametrize("argv", [[], ["--width", "200"], ["--recipe", "MXFP8BlockScaling"],
+                                  ["--recipe", "MXFP8BlockScaling", "--width", "200"]])
+def test_the_legend_describes_the_columns_the_headers_show_and_no_other(capsys, argv):
+    main(["explain", "--policy", "fsdp2", *argv])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    columns = ["cache", "forward", "backward", "dgrad col", "release", "param", "quantizers"]
+    shown = [c for c in columns if c in table[0]]
+    assert shown[:6] == columns[:6]
+    assert [c for c in columns if c in terms] == shown
 
 
 def test_each_policy_opens_with_its_constructor_and_summary(capsys):
@@ -321,10 +315,55 @@ def test_each_policy_opens_with_its_constructor_and_summary(capsys):
 def test_the_longest_list_of_quantizers_names_the_others(capsys):
     main(["explain", "--policy", "lean"])
     table, terms = _table_and_legend(capsys.readouterr().out)
-    assert "      all but DelayedScaling" in table and "all but" in terms
+    assert any(l.strip() == "for all but DelayedScaling:" for l in table) and "all but" in terms
     main(["explain", "--policy", "lean", "--width", "200"])
     table, terms = _table_and_legend(capsys.readouterr().out)
     assert not any("all but" in l for l in table) and "all but" not in terms
+
+
+def _labelled_rows(table: list[str]) -> list[tuple[str, list[str]]]:
+    """(the quantizers a ``for ...:`` line names, the cells of the row after it)."""
+    out = []
+    for at, line in enumerate(table):
+        if line.strip().startswith("for ") and line.endswith(":"):
+            out.append((line.strip()[4:-1], table[at + 1].split()[-6:]))
+    return out
+
+
+def test_a_rows_quantizers_stand_on_a_line_above_it_that_says_so_where_they_do_not_fit_beside(capsys):
+    """At 80 columns the quantizers do not fit beside the plans: each group
+    of quantizers is named on a ``for ...:`` line right above its row (not
+    under it, where it read as the heading of the next row), the table has
+    no quantizers column and the legend describes none; at 200 columns they
+    stand beside their rows, under the column's name."""
+    main(["explain", "--policy", "fsdp2"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    at = table.index("fsdp2_any train qparam")
+    assert table[at + 1:at + 5] == [
+        "          for all but MXFP8BlockScaling:",
+        "  mb:any  bypass  row      saved_param:col  derived    derived_col  row",
+        "          for MXFP8BlockScaling:",
+        "          bypass  row      saved_param:col  gathered   -            row+col"]
+    assert "quantizers" not in table[0] and "quantizers" not in terms
+    assert terms["for"] == "the quantizers of the row below (none: all)"
+    # every labelled row is the plan of the quantizers its line names, as --json says
+    main(["explain", "--json", "--policy", "fsdp2"])
+    rows = json.loads(capsys.readouterr().out)
+    qparam = {r["recipe"]: r["plan"] for r in rows if r["context"]["weight"] == "quantized_param"
+              and r["context"]["grad_enabled"] and r["context"]["microbatch"] == "none"
+              and r["context"]["sharding"] == "fsdp2_reshard"}
+    assert qparam["MXFP8BlockScaling"]["columnwise_source"] == "gathered"
+    assert {qparam[r]["columnwise_source"] for r in qparam if r != "MXFP8BlockScaling"} == {"derived"}
+    for policy in POLICY_CHOICES:
+        main(["explain", "--policy", policy])
+        table, terms = _table_and_legend(capsys.readouterr().out)
+        for names, cells in _labelled_rows(table):
+            assert len(cells) == 6 and not cells[0].startswith("for"), (policy, names, cells)
+        assert ("for" in terms) == bool(_labelled_rows(table)), policy
+    main(["explain", "--policy", "fsdp2", "--width", "200"])
+    table, terms = _table_and_legend(capsys.readouterr().out)
+    assert _labelled_rows(table) == [] and table[0].endswith("quantizers") and "quantizers" in terms
+    assert table[at + 2].split()[-1] == "MXFP8BlockScaling" and "for" not in terms
 
 
 @pytest.mark.parametrize("width", [None, "80", "100", "160"])
@@ -450,14 +489,15 @@ def test_a_full_disk_ends_with_one_line_and_status_1():
     with open("/dev/full", "w") as full:
         result = _explain_into(full)
     assert result.returncode == 1
-    assert result.stderr == "workspace_manager: could not write the output: No space left on device\n"
+    assert result.stderr == "python -m workspace_manager: could not write the output: No space left on device\n"
 
 
 def test_a_closed_stdout_ends_with_one_line_and_status_1():
     """``explain >&-``: Python starts with no sys.stdout."""
     result = subprocess.run(["sh", "-c", 'exec "$0" -m workspace_manager explain >&-', sys.executable],
                             stderr=subprocess.PIPE, text=True, timeout=120)
-    assert (result.returncode, result.stderr) == (1, "workspace_manager: stdout is closed; nothing was written\n")
+    assert (result.returncode, result.stderr) == (
+        1, "python -m workspace_manager: stdout is closed; nothing was written\n")
 
 
 # -- the module kinds the legend names -------------------------------------------------------
@@ -487,7 +527,7 @@ def test_the_legend_names_the_module_kinds_the_binding_registers(capsys, monkeyp
     from _binding_standin import load_binding
     from _fake_te import compat
 
-    kinds = load_binding(monkeypatch, compat(), "runtime._registry", "kinds")["runtime._registry"]
+    kinds = load_binding(monkeypatch, compat(), "runtime._kind_registry", "kinds")["runtime._kind_registry"]
     kinds.register_with_explain()  # as te_integration's __init__ does, once every kind registered
     assert [k.name for k in no_kinds.registered_module_kinds()] == [
         "Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "te.ops.BasicLinear", "te.ops.GroupedLinear"]
@@ -501,7 +541,8 @@ def test_the_legend_names_the_module_kinds_the_binding_registers(capsys, monkeyp
 
 
 def test_registering_a_module_kind_again_replaces_its_note_in_its_place(no_kinds):
-    from workspace_manager import ContextTypeError, ModuleKindEntry, register_module_kind, registered_module_kinds
+    from workspace_manager import ContextTypeError
+    from workspace_manager.extending import ModuleKindEntry, register_module_kind, registered_module_kinds
 
     register_module_kind("A")
     register_module_kind("B", "two weights")
@@ -530,3 +571,59 @@ def test_a_policy_shows_the_recompute_passes_it_plans_whatever_its_label():
     caps = RECIPE_PROFILES["Float8CurrentScaling"]
     assert {c.recompute for c in _contexts(Relabelled(), caps, False)} == {RecomputePass.FIRST, RecomputePass.RECOMPUTE}
     assert {c.recompute for c in _contexts(Misleading(), caps, False)} == {RecomputePass.NONE}
+
+
+def test_explain_in_python_prints_what_the_command_prints(capsys):
+    """``workspace_manager.explain`` is the command's table, from Python: the
+    same options (names in any case, one or several), the same text."""
+    from workspace_manager import explain
+
+    main(["explain", "--policy", "fsdp2", "--policy", "lean", "--recipe", "MXFP8BlockScaling", "--why", "--width", "100"])
+    assert explain(["FSDP2", "lean"], "mxfp8blockscaling", why=True, width=100) == capsys.readouterr().out
+    main(["explain", "--json", "--quantizer", "float8_block_1d", "--full"])
+    assert explain(quantizer="FLOAT8_BLOCK_1D", full=True, as_json=True) == capsys.readouterr().out
+    main(["explain"])
+    assert explain() == capsys.readouterr().out
+
+
+def test_explain_in_python_refuses_unknown_names_with_the_packages_errors():
+    from workspace_manager import UnknownPolicyError, UnknownRecipeError, explain
+    from workspace_manager.extending import UnknownProfileError
+
+    with pytest.raises(UnknownPolicyError, match="no shipped policy is named 'fsdp3'.*did you mean 'fsdp2'"):
+        explain("fsdp3")
+    with pytest.raises(UnknownRecipeError, match="'mxfp8' is no TE recipe; choose from DelayedScaling"):
+        explain(recipe="mxfp8")  # a profile's name, not a recipe's
+    with pytest.raises(UnknownProfileError, match="'fp8' is no capability profile or TE recipe; choose from "):
+        explain(quantizer="fp8")
+    with pytest.raises(TypeError, match=r"explain: recipe must be a name or names \(str\); received 3 \(int\)"):
+        explain(recipe=[3])
+    with pytest.raises(ValueError, match="width must be an int of at least 80 columns; received 79"):
+        explain(width=79)
+
+
+@pytest.mark.parametrize("argv0, prog", [
+    ("/venv/bin/workspace-manager", "workspace-manager"),
+    ("/src/workspace_manager/__main__.py", "python -m workspace_manager"),
+])
+def test_errors_name_the_program_as_it_was_started(argv0, prog):
+    """The console script's errors and usage say ``workspace-manager``, not
+    ``python -m workspace_manager``. Run as the script runs: ``main()``
+    with ``sys.argv[0]`` the script's path."""
+    code = ("import sys; sys.argv[0] = sys.argv.pop(1); "
+            "from workspace_manager.__main__ import main; sys.exit(main())")
+    bad = subprocess.run([sys.executable, "-c", code, argv0, "explain", "--policy", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith(
+        f"{prog} explain: error: argument --policy: invalid choice: 'nope' is no policy")
+    assert bad.stderr.startswith(f"usage: {prog} explain [-h]")
+    none = subprocess.run([sys.executable, "-c", code, argv0], capture_output=True, text=True, timeout=120)
+    assert none.stderr.splitlines()[-1] == f"{prog}: error: choose a subcommand: explain (e.g. '{prog} explain')"
+
+
+def test_the_console_script_is_main():
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    scripts = pyproject.split("\n[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    assert scripts.strip() == 'workspace-manager = "workspace_manager.__main__:main"'

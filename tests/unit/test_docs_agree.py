@@ -1,8 +1,8 @@
-"""What the README counts and lists is what the repository holds.
+"""What the README and docs/layout.md count and list is what the repository holds.
 
 The number of deliberate differences is counted from the sections of
 ``docs/decisions.md`` (a new ``D<n>-...`` section changes the count the
-README must state), and the Layout section must name every module of the
+README must state), and docs/layout.md must name every module of the
 packages it describes (a new file must be named where its folder is).
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+LAYOUT = (ROOT / "docs" / "layout.md").read_text()
 DECISIONS = (ROOT / "docs" / "decisions.md").read_text()
 #: The folders whose every module the Layout section names.
 LAID_OUT = ("workspace_manager", "te_integration", "testbed")
@@ -54,14 +55,15 @@ def test_decisions_md_counts_its_own_options():
     assert found and _number(found.group(1)) == len(options), options
 
 
-def layout_bullets(readme: str) -> dict[str, str]:
-    """Folder (``workspace_manager/testing/``) -> its bullet in the Layout section."""
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+def layout_bullets(layout: str) -> dict[str, str]:
+    """Folder (``workspace_manager/testing/``) -> its bullet in docs/layout.md
+    (a bullet runs to the next one, or to a blank line)."""
     bullets = {}
-    for bullet in re.split(r"\n(?=- )", section.strip()):
-        folder = re.match(r"- `([\w./]+/)`", bullet)
-        if folder:
-            bullets[folder.group(1)] = bullet
+    for block in layout.split("\n\n"):
+        for bullet in re.split(r"\n(?=- )", block.strip()):
+            folder = re.match(r"- `([\w./]+/)`", bullet)
+            if folder:
+                bullets[folder.group(1)] = bullet
     return bullets
 
 
@@ -92,15 +94,15 @@ def unnamed_modules(root: Path, readme: str, packages: tuple[str, ...],
 
 def test_the_layout_names_every_module():
     assert all((ROOT / package).is_dir() for package in LAID_OUT)
-    assert unnamed_modules(ROOT, README, LAID_OUT) == []
+    assert unnamed_modules(ROOT, LAYOUT, LAID_OUT) == []
 
 
 def test_a_module_the_layout_does_not_name_is_found(tmp_path):
     for rel in ("pkg/__init__.py", "pkg/named.py", "pkg/sub/other.py", "pkg/forgotten.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
-    readme = ("# x\n\n## Layout\n\n- `pkg/`: the package (`__init__.py`), with `named.py` and\n  `other.py`.\n"
-              "- `pkg/sub/`: nothing named here.\n\n## After\n\n`forgotten.py`\n")
+    readme = ("# x\n\n- `pkg/`: the package (`__init__.py`), with `named.py` and\n  `other.py`.\n"
+              "- `pkg/sub/`: nothing named here.\n\nAfter the list: `forgotten.py`\n")
     assert unnamed_modules(tmp_path, readme, ("pkg",), {}) == ["pkg/forgotten.py", "pkg/sub/other.py"]
     # A self-listing folder needs its rule in its bullet, not its files' names.
     assert unnamed_modules(tmp_path, readme, ("pkg",), {"pkg/sub/": "one file per kind"}) == [

@@ -98,8 +98,9 @@ def test_the_documented_plugin_error_is_the_one_raised(monkeypatch):
     """The QuantizerPluginError sample (a text block on its own) matches the real message."""
     from types import SimpleNamespace
 
-    import workspace_manager._registry as registry_module
-    from workspace_manager import ENTRY_POINT_GROUP, QuantizerPluginError, QuantizerRegistry
+    import workspace_manager._quantizer_registry as registry_module
+    from workspace_manager import QuantizerPluginError
+    from workspace_manager.extending import ENTRY_POINT_GROUP, QuantizerRegistry
 
     sample = next(code for lang, code, expected in doc_blocks() if lang == "text" and "plugin(s)" in code)
 

@@ -35,7 +35,6 @@ from _examples import scaled
 from _fake_te import TELinear, load_full_binding
 from _fake_te_mlp import Float8Quantizer, TELayerNormMLP
 from workspace_manager import (
-    PROFILES,
     BackwardSource,
     ColumnwiseSource,
     ContextTypeError,
@@ -44,6 +43,7 @@ from workspace_manager import (
     Usage,
     WorkspaceContext,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager.testing.plans import DrawnPlanPolicy, FixedSharding, meaningful_plans
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
@@ -142,11 +142,12 @@ _WEIGHTS = {"Linear": ("linear", {"weight": (OUT, IN)}),
             "LayerNormMLP": ("lnmlp", {"fc1_weight": (FFN, IN), "fc2_weight": (IN, FFN)})}
 
 
-def _recorder(ti, module, kind: str) -> CallRecorder:
+def _recorder(ti, module, kind: str, step_releases: set[str]) -> CallRecorder:
     file, weights = _WEIGHTS[kind]
     return CallRecorder(files=[ti.files[file]], storage_base=_fake_te.QuantizedTensorStorage,
                         plans=lambda: ti.modules.last_plans(module), weights=weights,
-                        parameter=lambda key: getattr(module, key), cache=lambda: module._fp8_workspaces)
+                        parameter=lambda key: getattr(module, key), cache=lambda: module._fp8_workspaces,
+                        step_releases=step_releases)
 
 
 def _run_stock(stock, setting: Setting, x, first) -> list:
@@ -157,8 +158,9 @@ def _run_stock(stock, setting: Setting, x, first) -> list:
     return [out, x.grad]
 
 
-def _run_managed(ti, managed, setting: Setting, x, first, last: bool, opt) -> tuple[list, list[str]]:
-    rec = _recorder(ti, managed, setting.kind)
+def _run_managed(ti, managed, setting: Setting, x, first, last: bool, opt,
+                 releases: set[str]) -> tuple[list, list[str]]:
+    rec = _recorder(ti, managed, setting.kind, releases)
     with rec.forward():
         out = _call(managed, setting, x, first)
     if setting.no_grad:
@@ -188,6 +190,7 @@ def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> lis
     opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in (stock, managed)]
     problems = []
     for step in range(steps):
+        releases: set[str] = set()  # the cache entries this step's calls marked for release
         for micro, first in enumerate(setting.microbatches):
             xs, xm = _inputs(setting, step, micro)
             last = micro == len(setting.microbatches) - 1
@@ -196,7 +199,7 @@ def _train(ti, setting: Setting, policy: DrawnPlanPolicy, steps: int = 2) -> lis
                 want += _grads(stock)
                 opts[0].step()
                 opts[0].zero_grad(set_to_none=True)
-            got, found = _run_managed(ti, managed, setting, xm, first, last, opts[1])
+            got, found = _run_managed(ti, managed, setting, xm, first, last, opts[1], releases)
             problems += [f"step {step} call {micro}: {p}" for p in found]
             for a, b in zip(want, got):
                 assert (a is None and b is None) or torch.equal(a, b), f"step {step} call {micro}: numerics differ"

@@ -156,7 +156,8 @@ def test_every_drawn_grouped_linear_plan_is_carried_out_or_refused_by_name(ti, s
 def test_the_slot_check_can_fail():
     """A workspace kept whole where D11 keeps columnwise data only, and a
     workspace where the plan saves none, are both found."""
-    from workspace_manager import PROFILES, WorkspaceContext, WorkspacePolicy
+    from workspace_manager import WorkspaceContext, WorkspacePolicy
+    from workspace_manager.extending import PROFILES
 
     ctx = WorkspaceContext(capabilities=PROFILES["float8_current_scaling"], sharding=Sharding.NONE)
     plan = WorkspacePolicy().plan(ctx)

@@ -15,16 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import workspace_manager._registry as registry_module
-from workspace_manager import (
-    ENTRY_POINT_GROUP,
-    DuplicateQuantizerError,
-    QuantizerPluginError,
-    QuantizerRegistry,
-    UnknownQuantizerError,
-    default_registry,
-    register_quantizer,
-)
+import workspace_manager._quantizer_registry as registry_module
+from workspace_manager import DuplicateQuantizerError, QuantizerPluginError, UnknownQuantizerError, register_quantizer
+from workspace_manager.extending import ENTRY_POINT_GROUP, QuantizerRegistry, default_registry
 
 import _sample_plugin as plugin
 
@@ -196,7 +189,7 @@ def test_importing_the_package_lists_no_entry_points_and_the_first_lookup_does()
         importlib.metadata.entry_points = lambda **kw: (kw.get("group") == "workspace_manager.quantizers" and calls.append(kw)) or real(**kw)
         import workspace_manager, workspace_manager.testing
         assert calls == [], calls
-        workspace_manager.default_registry.lookup(type("Q", (), {"__module__": "transformer_engine.pytorch.tensor.mxfp8_tensor", "__qualname__": "MXFP8Quantizer"}))
+        workspace_manager.extending.default_registry.lookup(type("Q", (), {"__module__": "transformer_engine.pytorch.tensor.mxfp8_tensor", "__qualname__": "MXFP8Quantizer"}))
         assert calls == [{"group": "workspace_manager.quantizers"}], calls
         print("ok")
         """

@@ -121,8 +121,13 @@ def test_recompute_wrapper_needs_a_plain_inner_policy():
 def test_resolve_policy_wraps_a_pinned_policy_for_recompute_and_rejects_non_policies():
     ctx = WorkspaceContext(capabilities=CAPS, sharding=Sharding.FSDP2_RESHARD, recompute=RecomputePass.RECOMPUTE)
     assert resolve_policy(ctx, FSDP2WorkspacePolicy()) == RecomputeWorkspacePolicy(inner=FSDP2WorkspacePolicy())
-    with pytest.raises(ContextTypeError, match="pinned policy must be a Policy instance"):
+    with pytest.raises(ContextTypeError, match="pinned policy must be a Policy instance") as info:
         resolve_policy(ctx, "fsdp2")
+    # a policy's name where the policy belongs: the message says how to get it
+    assert str(info.value).endswith("; for a shipped policy by its name, pass named_policy('fsdp2')")
+    with pytest.raises(ContextTypeError) as info:
+        resolve_policy(ctx, 3)
+    assert "named_policy" not in str(info.value)
     with pytest.raises(PolicyMismatchError):
         resolve_policy(ctx, WorkspacePolicy()).plan(ctx)
 
@@ -154,7 +159,8 @@ def test_inconsistent_plans_are_rejected(kwargs, problem):
 def test_an_unknown_recipe_names_the_recipes_that_exist():
     from collections.abc import Mapping
 
-    from workspace_manager import PROFILES, RECIPE_PROFILES, UnknownRecipeError
+    from workspace_manager import RECIPE_PROFILES, UnknownRecipeError
+    from workspace_manager.extending import PROFILES
 
     with pytest.raises(UnknownRecipeError) as info:
         RECIPE_PROFILES["fp8"]
@@ -208,7 +214,8 @@ def test_plan_notes_are_a_tuple_of_strings(notes):
 
 
 def test_an_unknown_profile_names_the_profiles_and_the_recipe_table():
-    from workspace_manager import PROFILES, RECIPE_PROFILES, UnknownProfileError
+    from workspace_manager import RECIPE_PROFILES
+    from workspace_manager.extending import PROFILES, UnknownProfileError
 
     with pytest.raises(UnknownProfileError) as info:
         PROFILES["Float8CurrentScaling"]
@@ -225,7 +232,8 @@ def test_an_unknown_profile_names_the_profiles_and_the_recipe_table():
 
 
 def test_registering_none_is_refused_and_registers_nothing():
-    from workspace_manager import InvalidCapabilitiesError, QuantizerRegistry, register_quantizer
+    from workspace_manager import InvalidCapabilitiesError, register_quantizer
+    from workspace_manager.extending import QuantizerRegistry
 
     registry = QuantizerRegistry()
     with pytest.raises(InvalidCapabilitiesError, match="register_quantizer received None for the quantizer") as info:

@@ -12,6 +12,7 @@ quantization per expert.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,12 @@ SPLITS = [2, 3, 1]
 def ti(monkeypatch):
     grouped.GroupedFunction.backwards.clear()
     return load_full_binding(monkeypatch)
+
+
+def _memo() -> SimpleNamespace:
+    """What quantize_experts remembers its verdict on a list of quantizers in
+    (a module's ``ModuleWorkspaceState``: its ``alike`` slot)."""
+    return SimpleNamespace(alike=None)
 
 
 def _module(name: str):
@@ -123,7 +130,7 @@ def test_experts_that_do_not_fit_together_are_not_grouped(ti, grouped_calls, wei
     quantize_experts = _module("runtime._expert_quantize").quantize_experts
     made = weights()
     quantizers = [_fake_te.Float8CurrentScalingQuantizer() for _ in made]
-    assert quantize_experts(quantizers, made, True, False) is None
+    assert quantize_experts(_memo(), quantizers, made, True, False) is None
     assert grouped_calls == []
 
 
@@ -131,7 +138,7 @@ def test_grouped_experts_hold_what_per_expert_quantization_holds(ti, grouped_cal
     quantize_experts = _module("runtime._expert_quantize").quantize_experts
     weights = [torch.randn(4, 8) for _ in range(EXPERTS)]
     quantizers = [_fake_te.Float8CurrentScalingQuantizer() for _ in weights]
-    outs = quantize_experts(quantizers, weights, False, True)
+    outs = quantize_experts(_memo(), quantizers, weights, False, True)
     assert grouped_calls == [(EXPERTS, False, True)]
     for out, weight, quantizer in zip(outs, weights, quantizers):
         quantizer.set_usage(rowwise=False, columnwise=True)
@@ -174,7 +181,7 @@ def test_delayed_experts_keep_only_the_usage_asked_for(ti, multi_calls):
     quantize_experts = _module("runtime._expert_quantize").quantize_experts
     weights = [torch.randn(4, 8) for _ in range(EXPERTS)]
     quantizers = _delayed()
-    outs = quantize_experts(quantizers, weights, True, False)
+    outs = quantize_experts(_memo(), quantizers, weights, True, False)
     assert len(multi_calls) == 1
     for out, weight, quantizer in zip(outs, weights, quantizers):
         assert out.get_usages() == {"rowwise": True, "columnwise": False}
@@ -189,7 +196,7 @@ def test_delayed_experts_keep_only_the_usage_asked_for(ti, multi_calls):
 ], ids=["a-missing-expert", "not-contiguous", "other-dtype"])
 def test_delayed_experts_the_multi_tensor_call_cannot_read_are_not_grouped(ti, multi_calls, weights):
     quantize_experts = _module("runtime._expert_quantize").quantize_experts
-    assert quantize_experts(_delayed(), weights(), True, False) is None
+    assert quantize_experts(_memo(), _delayed(), weights(), True, False) is None
     assert multi_calls == []
 
 
@@ -197,5 +204,5 @@ def test_a_te_build_without_the_multi_tensor_call_quantizes_delayed_experts_one_
     expert_quantize = _module("runtime._expert_quantize")
     monkeypatch.delattr(_module("te._compat").tex, "multi_tensor_quantize")
     monkeypatch.setattr(expert_quantize, "_METHODS", {})
-    assert expert_quantize.quantize_experts(_delayed(), [torch.randn(4, 8) for _ in range(EXPERTS)],
+    assert expert_quantize.quantize_experts(_memo(), _delayed(), [torch.randn(4, 8) for _ in range(EXPERTS)],
                                             True, False) is None

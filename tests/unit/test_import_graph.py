@@ -222,6 +222,56 @@ def test_an_import_of_a_forbidden_package_is_found(tmp_path):
     ]
 
 
+# -- benchmarks: a leaf over the public APIs ---------------------------------------------------------
+
+#: te_integration's layers, whatever their modules are named: what a user of the package never imports.
+BINDING_LAYERS = ("runtime", "te", "kinds")
+
+
+def _is_layer(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "te_integration" and len(parts) > 1 and parts[1] in BINDING_LAYERS
+
+
+def internal_imports(root: Path) -> list[str]:
+    """``file: module`` for each import, under ``root``, of a private module
+    or name of ``workspace_manager`` or ``te_integration`` (a part starting
+    with _), or of one of the binding's layers (:data:`BINDING_LAYERS`)."""
+    found = private_imports(root, "workspace_manager") + private_imports(root, "te_integration")
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            modules = _imported(node)
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module and not _is_layer(node.module):
+                modules += [f"{node.module}.{alias.name}" for alias in node.names]  # from te_integration import te
+            found += [f"{path.relative_to(root)}: {module}" for module in modules if _is_layer(module)]
+    return sorted(found)
+
+
+def test_the_benchmarks_import_only_the_packages_public_names():
+    assert imports_of(REPO / "benchmarks", ("te_integration",)) and imports_of(REPO / "benchmarks",
+                                                                                 ("workspace_manager",))
+    assert internal_imports(REPO / "benchmarks") == []
+
+
+def test_an_import_of_the_bindings_internals_is_found(tmp_path):
+    _write(tmp_path, {
+        "ok.py": "import te_integration as ti\nfrom workspace_manager import LeanWorkspacePolicy\n",
+        "layer.py": "def f():\n    from te_integration.runtime import stale\n",
+        "layer_by_name.py": "from te_integration import kinds\n",
+        "private.py": "from te_integration.debug import _levers\n",
+    })
+    assert internal_imports(tmp_path) == [
+        "layer.py: te_integration.runtime", "layer_by_name.py: te_integration.kinds",
+        "private.py: from te_integration.debug import _levers"]
+
+
+def test_the_benchmarks_import_in_no_circle():
+    graph = import_graph(REPO / "benchmarks", "benchmarks")
+    assert "benchmarks._harness" in graph["benchmarks._runner"]  # not vacuous: the graph sees the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
 # -- te_integration's layers: te/, runtime/, kinds/ ------------------------------------------------
 
 BINDING_DIR = REPO / "te_integration"
@@ -243,7 +293,7 @@ def test_te_integration_has_no_import_cycle_and_its_layers_import_downwards_only
     graph = import_graph(BINDING_DIR, "te_integration")
     # Not vacuous: the root imports each layer, and a kind imports the runtime and the TE layer.
     assert {"te_integration.kinds", "te_integration.runtime._modules"} <= graph["te_integration"]
-    assert {"te_integration.runtime._registry", "te_integration.te._compat"} <= graph["te_integration.kinds.linear"]
+    assert {"te_integration.runtime._kind_registry", "te_integration.te._compat"} <= graph["te_integration.kinds.linear"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert layer_violations(graph, "te_integration") == []

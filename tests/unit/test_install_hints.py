@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workspace_manager import install_hint
+from workspace_manager.extending import install_hint
 
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")

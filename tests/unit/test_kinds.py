@@ -1,4 +1,4 @@
-"""The one registry of module kinds (``te_integration.runtime._registry``):
+"""The one registry of module kinds (``te_integration.runtime._kind_registry``):
 every kind's file registers one ``Adapter``, and conversion, install,
 construction, the budget, attribution, explain's legend and the package's
 drop-in names take their lists from it."""
@@ -18,21 +18,21 @@ def ti(monkeypatch):
 
 
 def test_every_kind_made_is_registered_once_with_a_drop_in_of_its_kind(ti):
-    adapters = ti.registry.adapters()
-    assert {a.kind for a in adapters} == set(ti.registry.ModuleKind.made())
+    adapters = ti.kind_registry.adapters()
+    assert {a.kind for a in adapters} == set(ti.kind_registry.ModuleKind.made())
     for adapter in adapters:
         assert adapter.drop_in._wm_kind is adapter.kind and issubclass(adapter.drop_in, adapter.te_class)
-        assert ti.registry.adapter_for(adapter.kind) is adapter
+        assert ti.kind_registry.adapter_for(adapter.kind) is adapter
         assert (adapter.function is None) != (adapter.op is None)  # a TE module kind or a te.ops kind
-    assert ti.registry.drop_ins() == {a.te_class: a.drop_in for a in adapters}
-    assert set(ti.registry.OP_HOOKS) == {a.kind for a in adapters if a.op is not None}
+    assert ti.kind_registry.drop_ins() == {a.te_class: a.drop_in for a in adapters}
+    assert set(ti.kind_registry.OP_HOOKS) == {a.kind for a in adapters if a.op is not None}
     # The package's drop-in names are the kinds' files' own, in the kinds' order.
     assert ti.kinds.__all__ == ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "OpsBasicLinear",
                                 "OpsLinear", "OpsGroupedLinear"]
 
 
 def test_a_kind_is_one_object_by_its_name_copied_or_pickled_too(ti):
-    kind = ti.registry.ModuleKind
+    kind = ti.kind_registry.ModuleKind
     linear = kind("linear")
     assert kind("linear") is linear is ti.kinds.Linear._wm_kind
     assert copy.deepcopy(linear) is linear and pickle.loads(pickle.dumps(linear)) is linear
@@ -49,9 +49,9 @@ def test_a_kind_is_one_object_by_its_name_copied_or_pickled_too(ti):
 def test_conversion_install_and_construction_take_their_lists_from_the_registry(ti, monkeypatch):
     targets = ti.construction._construction_targets()
     assert {(id(m), n, cls) for m, n, cls in targets} == {
-        (id(m), n, a.drop_in) for a in ti.registry.adapters() for m, n in a.construction}
+        (id(m), n, a.drop_in) for a in ti.kind_registry.adapters() for m, n in a.construction}
     names = ti.install._seamed_names()
-    listed = [(id(s.module), s.name) for a in ti.registry.adapters() for s in ti.install.seams_of(a)]
+    listed = [(id(s.module), s.name) for a in ti.kind_registry.adapters() for s in ti.install.seams_of(a)]
     assert sorted(set(listed)) == sorted((id(s.module), s.name) for s in names)  # te.ops's shared seams once
     assert len(names) == len(set(listed)) < len(listed)
     # A kind's adapter is the one place conversion and attribution look: without it, its TE class
@@ -60,52 +60,52 @@ def test_conversion_install_and_construction_take_their_lists_from_the_registry(
 
     model = TELinear(8, 8)
     assert [m for _, m in ti.attribution.te_modules(model)] == [model]
-    adapter = ti.registry.adapter_for(ti.registry.ModuleKind("linear"))
-    monkeypatch.delitem(ti.registry._ADAPTERS, adapter.kind)
+    adapter = ti.kind_registry.adapter_for(ti.kind_registry.ModuleKind("linear"))
+    monkeypatch.delitem(ti.kind_registry._ADAPTERS, adapter.kind)
     assert ti.modules._managed_class_for(adapter.te_class) is None
     assert ti.attribution.te_modules(model) == []
 
 
 def test_the_budget_counts_each_kinds_gemm_weights(ti):
-    kind = ti.registry.ModuleKind
-    assert ti.registry.adapter_for(kind("layernorm_mlp")).gemm_weights(object()) == ("fc1_weight", "fc2_weight")
-    assert ti.registry.adapter_for(kind("linear")).gemm_weights(object()) == ("weight",)
+    kind = ti.kind_registry.ModuleKind
+    assert ti.kind_registry.adapter_for(kind("layernorm_mlp")).gemm_weights(object()) == ("fc1_weight", "fc2_weight")
+    assert ti.kind_registry.adapter_for(kind("linear")).gemm_weights(object()) == ("weight",)
 
 
 def test_a_second_adapter_for_a_kind_an_unknown_kind_and_a_malformed_adapter_are_refused(ti):
-    adapter = ti.registry.adapters()[0]
-    ti.registry.register(adapter)  # the same adapter again changes nothing
+    adapter = ti.kind_registry.adapters()[0]
+    ti.kind_registry.register(adapter)  # the same adapter again changes nothing
     other = type("Other", (adapter.drop_in,), {})
     with pytest.raises(ValueError, match="already registered.*under a ModuleKind of its own"):
-        ti.registry.register(ti.registry.Adapter(adapter.kind, adapter.te_class, other, function=adapter.function))
+        ti.kind_registry.register(ti.kind_registry.Adapter(adapter.kind, adapter.te_class, other, function=adapter.function))
     with pytest.raises(TypeError, match="expected an Adapter, received dict"):
-        ti.registry.register({})
+        ti.kind_registry.register({})
     with pytest.raises(TypeError, match="exactly one of function"):
-        ti.registry.Adapter(adapter.kind, adapter.te_class, other)
+        ti.kind_registry.Adapter(adapter.kind, adapter.te_class, other)
     with pytest.raises(TypeError, match="set _wm_kind to the adapter's kind"):
-        ti.registry.Adapter(ti.registry.ModuleKind("another"), adapter.te_class, other, function=adapter.function)
-    ti.registry._ADAPTERS.pop(adapter.kind)
+        ti.kind_registry.Adapter(ti.kind_registry.ModuleKind("another"), adapter.te_class, other, function=adapter.function)
+    ti.kind_registry._ADAPTERS.pop(adapter.kind)
     try:
         with pytest.raises(LookupError, match=f"no module kind .*{adapter.kind.name}.* is registered"):
-            ti.registry.adapter_for(adapter.kind)
+            ti.kind_registry.adapter_for(adapter.kind)
     finally:
-        ti.registry.register(adapter)
+        ti.kind_registry.register(adapter)
 
 
 def test_explain_is_told_every_kind_and_refused_while_one_has_no_adapter(ti, monkeypatch):
     import workspace_manager._explain as data
 
     monkeypatch.setattr(data, "_MODULE_KINDS", {})
-    adapter = ti.registry.adapter_for(ti.registry.ModuleKind("grouped_linear"))
-    monkeypatch.delitem(ti.registry._ADAPTERS, adapter.kind)
+    adapter = ti.kind_registry.adapter_for(ti.kind_registry.ModuleKind("grouped_linear"))
+    monkeypatch.delitem(ti.kind_registry._ADAPTERS, adapter.kind)
     with pytest.raises(RuntimeError, match="module kinds without a registered adapter: grouped_linear"):
-        ti.registry.register_with_explain()
+        ti.kind_registry.register_with_explain()
     assert data.registered_module_kinds() == ()  # refused before naming any
-    monkeypatch.setitem(ti.registry._ADAPTERS, adapter.kind, adapter)
-    ti.registry.register_with_explain()
+    monkeypatch.setitem(ti.kind_registry._ADAPTERS, adapter.kind, adapter)
+    ti.kind_registry.register_with_explain()
     named = {k.name: k.note for k in data.registered_module_kinds()}
     assert named["GroupedLinear"] == named["te.ops.GroupedLinear"] == "one plan for all experts"
-    assert len(named) == len(ti.registry.ModuleKind.made())
+    assert len(named) == len(ti.kind_registry.ModuleKind.made())
 
 
 def test_the_package_import_registers_every_kind_file_and_exports_its_drop_ins(tmp_path):
@@ -125,8 +125,8 @@ def test_the_package_import_registers_every_kind_file_and_exports_its_drop_ins(t
     root = write_te_ops_tree(write_te_tree(tmp_path))
     code = textwrap.dedent("""
         import json, sys, types
-        from workspace_manager import TE_QUANTIZER_PROFILES, registered_module_kinds
-        for name in TE_QUANTIZER_PROFILES:  # the quantizer classes _register resolves, which the tree lacks
+        from workspace_manager.extending import TE_QUANTIZER_PROFILES, registered_module_kinds
+        for name in TE_QUANTIZER_PROFILES:  # the quantizer classes _te_quantizers resolves, which the tree lacks
             module, _, cls = name.rpartition(".")
             setattr(sys.modules.setdefault(module, types.ModuleType(module)), cls, type(cls, (), {}))
         import te_integration as ti

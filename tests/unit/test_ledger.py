@@ -12,20 +12,14 @@ import pytest
 import torch
 from _spaces import holds_for_each, selected_plans
 
-from workspace_manager import (
-    BackwardSource,
-    CacheAction,
+from workspace_manager import BackwardSource, CacheAction, Release, Sharding, Usage, WeightSource, select_policy
+from workspace_manager.attribution import (
     Lifetime,
-    Release,
-    Sharding,
-    Usage,
-    WeightSource,
     WorkspaceKind,
     WorkspaceLedger,
     WorkspaceReport,
     buffers_of,
     expected_lifetime,
-    select_policy,
     workspace_kind,
 )
 from workspace_manager.testing.reference import Float8PerTensorQuantizer

@@ -205,8 +205,9 @@ def test_every_shipped_policy_plan_for_a_te_ops_call_is_carried_out():
     import itertools
     from pathlib import Path
 
-    from workspace_manager import (PROFILES, BackwardOverride, Microbatch, RecomputePass, RecomputeScope,
-                                   WeightSource, WorkspaceContext, named_policy, plan_call)
+    from workspace_manager import (BackwardOverride, Microbatch, RecomputePass, RecomputeScope, WeightSource,
+                                   WorkspaceContext, named_policy, plan_call)
+    from workspace_manager.extending import PROFILES
 
     path = Path(__file__).resolve().parents[2] / "te_integration" / "runtime" / "_plan_support_ops.py"
     spec = importlib.util.spec_from_file_location("_plan_support_ops", path)

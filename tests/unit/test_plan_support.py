@@ -17,7 +17,6 @@ import torch
 from _fake_te import LinearFunction, TELinear, load_full_binding
 
 from workspace_manager import (
-    PROFILES,
     BackwardOverride,
     BackwardSource,
     CacheAction,
@@ -35,6 +34,7 @@ from workspace_manager import (
     WorkspaceContext,
     WorkspacePolicy,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager._explain import POLICY_CHOICES, _policy_choices
 
 

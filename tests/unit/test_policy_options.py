@@ -162,3 +162,22 @@ def test_the_options_are_shipped_by_name_for_tools_to_pin():
     assert wm.named_policy("fsdp2") == FSDP2  # the default, options off
     with pytest.raises(ValueError, match="no shipped policy is named 'nope'; choose from plain, fsdp2"):
         wm.named_policy("nope")
+
+
+def test_a_policy_is_found_by_its_name_in_any_case_and_an_unknown_name_gets_a_hint():
+    """As ``explain --policy`` takes them: any case. A name that is none is
+    refused with the package's own error, a ValueError (as before it had one)
+    and a KeyError (a failed lookup), naming the choices and the closest."""
+    assert wm.named_policy("FSDP2") is wm.named_policy("fsdp2") is wm.named_policy("Fsdp2")
+    assert wm.named_policy("FSDP2_Microbatch_Cache") == CACHE
+    with pytest.raises(wm.UnknownPolicyError) as info:
+        wm.named_policy("fsdp2_microbatch")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, KeyError)
+    assert isinstance(info.value, wm.WorkspaceManagerError)
+    assert str(info.value) == ("no shipped policy is named 'fsdp2_microbatch'; choose from " + ", ".join(wm.POLICY_NAMES)
+                               + "; did you mean 'fsdp2_microbatch_cache'?")
+    with pytest.raises(wm.UnknownPolicyError, match=r"expects a policy name \(a str\); received None \(NoneType\)"):
+        wm.named_policy(None)
+    with pytest.raises(wm.UnknownPolicyError) as info:
+        wm.named_policy("zzz")
+    assert "did you mean" not in str(info.value)

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
 
-from workspace_manager import (
-    InvalidCapabilitiesError,
-    KitArgumentError,
-    QuantizerCapabilities,
-    QuantizerRegistry,
-    UnknownQuantizerError,
-    Usage,
-)
+from workspace_manager import InvalidCapabilitiesError, QuantizerCapabilities, UnknownQuantizerError, Usage
+from workspace_manager.extending import QuantizerRegistry
 from workspace_manager.testing import (
     CheckStatus,
+    KitArgumentError,
     Freshness,
     QuantizerCheckError,
     QuantizerRuntime,
@@ -233,8 +229,9 @@ def test_a_broken_policy_invariant_fails_the_report_but_is_not_blamed_on_the_qua
     assert f"1 of {checks} broken, a bug in workspace_manager" in report.policy.reason
     assert "policy: never_holds: broken on" in report.policy.reason
     text = str(report)
-    assert f"all {len(report.results)} checks passed" in text.splitlines()[0]
-    assert "FAIL  policy checks (independent of your quantizer)" in text
+    assert text.splitlines()[0].endswith(
+        f"all {len(report.results)} checks passed; the policy checks failed (a bug in workspace_manager)")
+    assert "\n  policy checks (independent of your quantizer): FAIL, 1 of " in text
     with pytest.raises(QuantizerCheckError):
         report.raise_for_failures()
 
@@ -271,3 +268,79 @@ def test_the_lifecycle_walks_catch_a_runtime_that_reads_a_stale_copy(monkeypatch
     # call to the next (the microbatch cache, the FP8 parameter's transpose);
     # FSDP2 and distributed weights keep none across a write.
     assert all(name.startswith("lifecycle: none ") for name in failed)
+
+
+class ClearCrashes(Float8PerTensorQuantizer):
+    """Broken: clear_derived raises, which fails derived_caches and every
+    setting whose plans clear derived data (FSDP2 quantized parameters)."""
+
+    def clear_derived(self, handle) -> None:
+        raise RuntimeError("no clearing here")
+
+
+def _status_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line[:4] in ("pass", "FAIL", "skip")]
+
+
+def _checks_on(line: str) -> int:
+    """How many checks a report line stands for: its names, a lifecycle group counted by its settings."""
+    names = line[6:].split(": ", 1)[0]
+    settings = re.search(r"lifecycle \((\d+) settings\)", names)
+    others = [n for n in re.sub(r"lifecycle \(\d+ settings\)", "", names).split(", ") if n.strip()]
+    return len(others) + (int(settings.group(1)) if settings else 1 if names.startswith("lifecycle: ") else 0)
+
+
+def test_failures_of_one_cause_are_one_line_that_says_where_each_happened():
+    report = check_quantizer(ClearCrashes, REFERENCE_CAPABILITIES, **FAST)
+    failed = [r.name for r in report.failures]
+    assert failed[0] == "derived_caches" and len(failed) == 5  # and the four FSDP2 quantized-parameter settings
+    text = str(report)
+    assert text.splitlines()[0].endswith("): 5 of 21 checks failed")
+    (fail,) = [line for line in _status_lines(text) if line.startswith("FAIL")]
+    assert fail.startswith("FAIL  derived_caches, lifecycle (4 settings): the quantizer raised RuntimeError: "
+                           "no clearing here (at ")
+    lines = text.splitlines()
+    at = lines.index(fail)
+    assert lines[at + 1] == "        in:" and lines[at + 2] == "          derived_caches"
+    assert all(re.fullmatch(r"          fsdp2_(reshard|keep) quantized_param (no )?microbatches "
+                            r"\(walk \d+, at event \d+\)", line) for line in lines[at + 3:at + 7])
+    assert lines[at + 7].startswith("        first, lifecycle: fsdp2_reshard quantized_param no microbatches:")
+    # the lines stand for every check once: 21, however they are grouped
+    assert sum(_checks_on(line) for line in _status_lines(text)) == len(report.results) == 21
+
+
+def test_every_report_counts_the_same_checks_by_the_same_names():
+    """A quantizer that passes, one that fails, one without the protocol:
+    21 checks each, the same names in the same order (those not run are
+    skipped by name), and the policy checks apart, on no status line."""
+    reports = [check_quantizer(Float8PerTensorQuantizer, REFERENCE_CAPABILITIES, **FAST),
+               check_quantizer(ClearCrashes, REFERENCE_CAPABILITIES, **FAST),
+               check_quantizer(lambda: object(), REFERENCE_CAPABILITIES, **FAST)]
+    names = [[r.name for r in report.results] for report in reports]
+    assert names[0] == names[1] == names[2] and len(names[0]) == 21
+    skipped = [r for r in reports[2].results if r.status is CheckStatus.SKIPPED]
+    assert len(skipped) == 20 and str(reports[2]).splitlines()[0].endswith("1 of 21 checks failed, 20 skipped")
+    for report in reports:
+        text = str(report)
+        assert not any("policy checks" in line for line in _status_lines(text))
+        assert sum(_checks_on(line) for line in _status_lines(text)) == 21
+
+
+def test_derived_caches_claimed_by_a_format_that_cannot_derive_is_said_to_be_unchecked():
+    """Accepted (a hybrid format's direction may keep derived data of its
+    own), but the kit cannot check it, and its report says so."""
+    class NoDerive(Float8PerTensorQuantizer):
+        def update_usage(self, handle, *, rowwise=None, columnwise=None):
+            if columnwise and handle.columnwise is None:
+                raise ValueError("this format quantizes each direction from the weight")
+            super().update_usage(handle, rowwise=rowwise, columnwise=columnwise)
+
+    caps = dataclasses.replace(REFERENCE_CAPABILITIES, name="compound", columnwise_derivable=False)
+    assert caps.derived_caches
+    report = check_quantizer(NoDerive, caps, **FAST)
+    result = report["derived_caches"]
+    assert result.status is CheckStatus.SKIPPED
+    assert result.reason.startswith("claimed with columnwise_derivable=False, so nothing can be derived through the "
+                                    "protocol and the claim is not checked")
+    assert "register derived_caches=False" in result.reason
+    assert str(report).splitlines()[0].endswith(", 1 skipped")

@@ -10,6 +10,7 @@ where CUDA or TE is missing. The install command is the one CI runs
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -37,7 +38,9 @@ def _python(needs_te: bool) -> list[tuple[str, int]]:
             if lang == "python" and bool(NEEDS_TE.search(code)) == needs_te]
 
 
+@functools.cache
 def _run_python(code: str, line: int) -> str:
+    """The block's output (run once per session: the kit's block is read by two tests)."""
     result = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:workspace_manager", "-c", code],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, f"README.md block at line {line} failed:\n{result.stderr}"

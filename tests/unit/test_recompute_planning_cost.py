@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from workspace_manager import (
-    PROFILES,
     FSDP2WorkspacePolicy,
     RecomputePass,
     RecomputeWorkspacePolicy,
@@ -22,6 +21,7 @@ from workspace_manager import (
     plan_call,
     select_policy,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager._context import valid_contexts
 
 #: Contexts one ``plan`` of a recompute call may build.

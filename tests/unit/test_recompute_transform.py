@@ -30,7 +30,6 @@ import pytest
 from _spaces import CAPABILITIES, FLAG_SETS, every_context, holds_for_each
 
 from workspace_manager import (
-    PROFILES,
     FSDP2WorkspacePolicy,
     InvalidContextError,
     Policy,
@@ -42,6 +41,7 @@ from workspace_manager import (
     WorkspacePolicy,
     resolve_policy,
 )
+from workspace_manager.extending import PROFILES
 from workspace_manager._context import valid_contexts
 from workspace_manager._policy import inner_policy_context, recompute_pass_plan
 from workspace_manager.testing.invariants import SHIPPED_POLICIES

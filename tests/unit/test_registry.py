@@ -5,16 +5,13 @@ from __future__ import annotations
 import pytest
 
 from workspace_manager import (
-    PROFILES,
     DuplicateQuantizerError,
     InvalidCapabilitiesError,
     QuantizerCapabilities,
-    QuantizerRegistry,
     UnknownQuantizerError,
-    default_registry,
-    quantizer_capabilities,
     register_quantizer,
 )
+from workspace_manager.extending import PROFILES, QuantizerRegistry, default_registry, quantizer_capabilities
 from workspace_manager._profiles import (
     FLOAT8_BLOCK_1D,
     FLOAT8_BLOCK_2D,

@@ -10,6 +10,7 @@ offsets), so the caller asks TE."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -104,14 +105,41 @@ _CASES = {
 }
 
 
+#: Runs every case in one fresh interpreter (importing torch and the
+#: stand-in once), each in a namespace of its own made by the prelude, and
+#: prints, per case, None or the traceback of its failure.
+_RUN_ALL = _PRELUDE + """
+import json, traceback
+prelude = {k: v for k, v in globals().items() if not k.startswith("__")}
+outcomes = {}
+for name, code in json.loads(sys.stdin.read()).items():
+    try:
+        exec(compile(code, "case " + name, "exec"), dict(prelude))
+        outcomes[name] = None
+    except BaseException:
+        outcomes[name] = traceback.format_exc()
+print(json.dumps(outcomes))
+"""
+
+
+#: A case that must fail, run with the others: the runner can report a failure.
+_SENTINEL = ("_fails_on_purpose", "assert SHAPE == (9, 9), 'not the shape'")
+
+
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory) -> Path:
-    return write_te_tree(tmp_path_factory.mktemp("standin"))
+def outcomes(tmp_path_factory) -> dict[str, str | None]:
+    """Case -> None where it held, else its traceback."""
+    tree = write_te_tree(tmp_path_factory.mktemp("standin"))
+    cases = {name: textwrap.dedent(code) for name, code in _CASES.items()}
+    cases[_SENTINEL[0]] = _SENTINEL[1]
+    result = subprocess.run([sys.executable, "-c", _RUN_ALL], input=json.dumps(cases), capture_output=True, text=True,
+                            timeout=120, env={"PYTHONPATH": f"{tree}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert "AssertionError: not the shape" in found.pop(_SENTINEL[0])  # each case apart: a failure is seen
+    return found
 
 
 @pytest.mark.parametrize("case", sorted(_CASES))
-def test_split_experts_reads_te_s_layout(tree, case):
-    code = _PRELUDE + textwrap.dedent(_CASES[case])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={"PYTHONPATH": f"{tree}:{ROOT}", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_split_experts_reads_te_s_layout(outcomes, case):
+    assert outcomes[case] is None, outcomes[case]

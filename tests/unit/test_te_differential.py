@@ -427,8 +427,7 @@ def test_a_delayed_scaling_recompute_pass_under_fsdp2_rebuilds_as_te_does_even_w
     delayed-scaling scale; TE's FSDP2 backward rebuilds with the scale of
     backward time. Saving the pass's copy (the D3 option) would change
     dgrad's bytes, so with delayed scaling the plan stays TE's whatever the
-    option. Found on GPUs: losses left stock's at step 2
-    (benchmarks/results/bench-2026-11-30-d7db962)."""
+    option. Found on GPUs at d7db962: losses left stock's at step 2."""
     build_once = only(RecomputeCopy.BUILD_ONCE)
     for case in _region_recompute_cases_under_fsdp2():
         _rebuilds_as_te(case, plan_for(case, FLOAT8_DELAYED_SCALING, build_once))

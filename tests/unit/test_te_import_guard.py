@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from workspace_manager import install_hint
+from workspace_manager.extending import install_hint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -45,7 +45,7 @@ def test_a_stock_module_runs_tes_code_untouched_after_uninstall(ti):
     out = managed(x)  # the first drop-in call installs the seams
     assert ti.install.INSTALLED
     assert _python_calls(stock_call)[0] > 0  # installed seams: stock calls pass through them
-    ti.install.uninstall()  # te_integration.uninstall_seams
+    ti.install.uninstall()  # te_integration.debug.uninstall_seams
     assert not ti.install.INSTALLED
     assert _python_calls(stock_call) == (0, te_calls)
     again = managed(x)  # the next drop-in call installs them again

@@ -3,7 +3,8 @@
 - :func:`check_quantizer`: checks a quantizer (through the small
   :class:`QuantizerUnderTest` protocol) against its capability claims, every
   policy invariant, and the workspace lifecycle on its real bytes. Returns a
-  :class:`QuantizerReport`. See ``docs/extending.md``.
+  :class:`QuantizerReport`; arguments it cannot use raise
+  :class:`KitArgumentError`. See ``docs/extending.md``.
 - ``workspace_manager.testing.reference``: a per-tensor FP8 reference
   quantizer in plain PyTorch that passes the kit.
 - ``workspace_manager.testing.invariants``: the policy invariants, as plain
@@ -14,6 +15,7 @@
   need nothing beyond the package.
 """
 
+from .._errors import KitArgumentError
 from ._adapter import QuantizerAdapter, QuantizerRuntime
 from ._kit import DEFAULT_SHAPES, check_quantizer
 from ._model import FakeQuantizer, FakeWorkspace, Freshness, ModuleRuntime, RuntimeModelError, WeightWrite
@@ -30,6 +32,7 @@ __all__ = [
     "CheckResult",
     "CheckStatus",
     "QuantizerCheckError",
+    "KitArgumentError",
     # the reference runtime
     "FakeQuantizer",
     "FakeWorkspace",

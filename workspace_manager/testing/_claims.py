@@ -210,6 +210,8 @@ class _Probe:
                 before = q.bytes_held(handle)
                 q.clear_derived(handle)
                 assert q.bytes_held(handle) == before, "clear_derived changed the bytes of a rowwise handle"
+        if self.caps.derived_caches and not self.caps.columnwise_derivable:
+            return CheckResult("derived_caches", CheckStatus.SKIPPED, _UNCHECKABLE_DERIVED)
         return CheckResult("derived_caches", CheckStatus.PASSED, self.derived_summary())
 
     def clear_after_derive(self, q: QuantizerUnderTest, w: torch.Tensor) -> None:
@@ -269,6 +271,16 @@ class _Probe:
             "requantization_safe", CheckStatus.SKIPPED,
             "not claimed: plans that requantize for dgrad say so in their notes" + hint,
         )
+
+
+#: Why the kit cannot check derived caches claimed by a format that cannot derive.
+_UNCHECKABLE_DERIVED = (
+    "claimed with columnwise_derivable=False, so nothing can be derived through the protocol and the claim "
+    "is not checked (clear_derived kept the data quantize built). Under FSDP2 the plans of quantized "
+    "parameters release derived columnwise data after backward; claim it only for a format that keeps "
+    "derived data inside a direction's own storage (as TE's hybrid formats may), else register "
+    "derived_caches=False"
+)
 
 
 def claim_checks(factory: Factory, capabilities: QuantizerCapabilities, weights: list[torch.Tensor]) -> list[CheckResult]:

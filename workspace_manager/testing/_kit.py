@@ -24,6 +24,7 @@ Everything is deterministic for a given ``seed``; nothing needs Hypothesis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,11 +35,11 @@ from .._errors import InvalidCapabilitiesError, KitArgumentError, UnknownQuantiz
 from .._explain_layout import setting_words
 from .._plan import WorkspacePlan
 from .._policy import WorkspacePolicy
-from .._registry import QuantizerRegistry, default_registry, qualified_name
+from .._quantizer_registry import QuantizerRegistry, default_registry, qualified_name
 from ._claims import claim_checks, protocol_check, sample_weights
 from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, QuantizerReport, describe_exception
-from ._walks import lifecycle_checks
+from ._walks import lifecycle_checks, lifecycle_names
 from .reference import Float8PerTensorQuantizer
 from .invariants import CONTEXT_INVARIANTS, PLAN_INVARIANTS, all_contexts, covering
 
@@ -95,8 +96,9 @@ def check_quantizer(
     caps = capabilities if capabilities is not None else _registered(registry or default_registry, quantizer)
     name = qualified_name(type(quantizer)) if quantizer is not None else repr(factory)
     results = [protocol]
-    if protocol.failed:
-        results += [CheckResult(n, CheckStatus.SKIPPED, "not run: the protocol check failed") for n in _QUANTIZER_CHECKS]
+    if protocol.failed:  # every check by its name, so that a report counts the same checks every time
+        results += [CheckResult(n, CheckStatus.SKIPPED, "not run: the protocol check failed")
+                    for n in (*_CLAIM_CHECKS, *lifecycle_names())]
     else:
         weights = sample_weights(shapes, examples, seed, dtype)
         results += claim_checks(factory, caps, weights)
@@ -105,7 +107,8 @@ def check_quantizer(
     return QuantizerReport(quantizer=name, capabilities=caps, results=tuple(results), policy=policy_summary(caps))
 
 
-_QUANTIZER_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe", "lifecycle")
+#: The checks of the quantizer after ``protocol`` and before the lifecycle's.
+_CLAIM_CHECKS = ("usages", "columnwise_derivable", "derived_caches", "requantization_safe")
 
 
 def _check_arguments(factory: Any, capabilities: Any, examples: Any, steps: Any, seed: Any) -> None:
@@ -147,7 +150,18 @@ def _check_weights(shapes: Any, dtype: Any) -> None:
 
 def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:
     """Every plan invariant over every (covering policy, context) pair, and
-    every context invariant over every context, for ``capabilities``."""
+    every context invariant over every context, for ``capabilities``.
+
+    The policies and the invariants are pure, so the results for one set of
+    capabilities and invariants are worked out once per process (about a
+    second) and kept: checking a second quantizer with the same capabilities
+    reruns none of it."""
+    return list(_policy_checks(capabilities, tuple(PLAN_INVARIANTS), tuple(CONTEXT_INVARIANTS)))
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_checks(capabilities: QuantizerCapabilities, plan_invariants: tuple[Callable[..., None], ...],
+                   context_invariants: tuple[Callable[..., None], ...]) -> tuple[CheckResult, ...]:
     contexts = list(all_contexts(capabilities))
     triples: list[tuple[WorkspacePolicy, WorkspaceContext, WorkspacePlan]] = []
     for ctx in contexts:
@@ -156,10 +170,10 @@ def policy_checks(capabilities: QuantizerCapabilities) -> list[CheckResult]:
                 triples.append((policy, ctx, policy.plan(ctx)))
             except Exception as err:
                 reason = f"{policy!r} cannot plan a context it covers ({_setting(ctx)}): {describe_exception(err)}"
-                return [CheckResult("policy: plans", CheckStatus.FAILED, reason)]
-    results = [_run_invariant(inv, triples) for inv in PLAN_INVARIANTS]
-    results += [_run_invariant(inv, [(None, ctx, None) for ctx in contexts]) for inv in CONTEXT_INVARIANTS]
-    return results
+                return (CheckResult("policy: plans", CheckStatus.FAILED, reason),)
+    results = [_run_invariant(inv, triples) for inv in plan_invariants]
+    results += [_run_invariant(inv, [(None, ctx, None) for ctx in contexts]) for inv in context_invariants]
+    return tuple(results)
 
 
 def policy_summary(capabilities: QuantizerCapabilities) -> CheckResult:

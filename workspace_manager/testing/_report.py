@@ -22,15 +22,24 @@ class CheckStatus(enum.Enum):
 @dataclass(frozen=True)
 class CheckResult:
     """One check: its name (``"columnwise_derivable"``, ``"policy: ..."``,
-    ``"lifecycle: ..."``), its status, and why, in words."""
+    ``"lifecycle: ..."``), its status, and why, in words. ``cause``: the
+    reason in one line, where a failed walk's reason also says where it
+    failed (the report gives results of one status and cause one line);
+    by default the reason's first line."""
 
     name: str
     status: CheckStatus
     reason: str
+    cause: str = ""
 
     @property
     def failed(self) -> bool:
         return self.status is CheckStatus.FAILED
+
+    @property
+    def one_line(self) -> str:
+        """The cause, or the reason's first line."""
+        return self.cause or (self.reason.splitlines() or [""])[0]
 
     def render(self) -> str:
         first, *rest = self.reason.splitlines() or [""]
@@ -85,21 +94,61 @@ class QuantizerReport:
             raise QuantizerCheckError(self)
 
     def __str__(self) -> str:
+        """The verdict, the claims and the policy checks (apart: they are no
+        check of the quantizer), then one line per group of checks that
+        share a status and a cause: failures first, a group's line naming
+        how many checks it stands for."""
         caps = self.capabilities
         skipped = sum(r.status is CheckStatus.SKIPPED for r in self.results)
         own_failures = [r for r in self.results if r.failed]
         verdict = f"{len(own_failures)} of {len(self.results)} checks failed" if own_failures else (
             f"all {len(self.results) - skipped} checks passed"
         )
+        if self.policy is not None and self.policy.failed:
+            verdict += "; the policy checks failed (a bug in workspace_manager)"
         lines = [
             f"check_quantizer({self.quantizer}): {verdict}" + (f", {skipped} skipped" if skipped else ""),
             f"  claimed: {caps.name} (columnwise_derivable={caps.columnwise_derivable}, "
             f"derived_caches={caps.derived_caches}, requantization_safe={caps.requantization_safe})",
         ]
         if self.policy is not None:
-            lines.append(self.policy.render())
-        ordered = sorted(self.results, key=lambda r: not r.failed)  # failures first, order kept otherwise
-        return "\n".join(lines + [r.render() for r in ordered])
+            lines.append(f"  {self.policy.name}: {self.policy.status.value}, {self.policy.reason}")
+        order = {CheckStatus.FAILED: 0, CheckStatus.SKIPPED: 1, CheckStatus.PASSED: 2}
+        groups: dict[tuple[CheckStatus, str], list[CheckResult]] = {}
+        for result in sorted(self.results, key=lambda r: order[r.status]):  # stable: order kept otherwise
+            groups.setdefault((result.status, result.one_line), []).append(result)
+        return "\n".join(lines + [_render_group(group) for group in groups.values()])
+
+
+#: The prefix of the lifecycle checks' names, one per module setting.
+LIFECYCLE = "lifecycle: "
+
+
+def _group_label(group: list[CheckResult]) -> str:
+    """The checks of a group by name, its lifecycle settings counted."""
+    names = [r.name for r in group if not r.name.startswith(LIFECYCLE)]
+    settings = len(group) - len(names)
+    if settings:
+        names.append(f"lifecycle ({settings} settings)")
+    return ", ".join(names)
+
+
+def _render_group(group: list[CheckResult]) -> str:
+    """One result as it is; several of one status and cause in one line.
+    Failures then say where each happened (a walk: which one, at which
+    event) and give the first one's details (a walk's: its events)."""
+    if len(group) == 1:
+        return group[0].render()
+    first = group[0]
+    head = f"{first.status.value:<4}  {_group_label(group)}: {first.one_line}"
+    if not first.failed:  # passed or skipped alike, for the same reason
+        return head
+    where = [r.name.removeprefix(LIFECYCLE) + (f" ({r.reason.split(':', 1)[0]})" if r.cause else "") for r in group]
+    shown = next((r for r in group if len(r.reason.splitlines()) > 1), None)
+    detail = ["in:", *(f"  {w}" for w in where)]
+    if shown is not None:
+        detail += [f"first, {shown.name}:", *shown.reason.splitlines()[1:]]
+    return "\n".join([head, *(textwrap.indent(line, "        ") for line in detail)])
 
 
 def describe_exception(err: BaseException) -> str:

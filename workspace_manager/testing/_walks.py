@@ -23,7 +23,7 @@ from ._protocol import QuantizerUnderTest
 from ._report import CheckResult, CheckStatus, describe_exception
 from ._session import LifecycleSession
 
-__all__ = ["LIFECYCLE_SETTINGS", "lifecycle_checks"]
+__all__ = ["LIFECYCLE_SETTINGS", "lifecycle_checks", "lifecycle_names"]
 
 #: Every module setting the lifecycle is walked in.
 LIFECYCLE_SETTINGS: tuple[tuple[Sharding, WeightSource, bool], ...] = tuple(
@@ -34,6 +34,11 @@ _TRACE_SHOWN = 15
 
 def _setting_name(sharding: Sharding, weight: WeightSource, microbatches: bool) -> str:
     return f"lifecycle: {sharding.value} {weight.value} {'microbatches' if microbatches else 'no microbatches'}"
+
+
+def lifecycle_names() -> list[str]:
+    """The name of each lifecycle check, in :data:`LIFECYCLE_SETTINGS`' order."""
+    return [_setting_name(*setting) for setting in LIFECYCLE_SETTINGS]
 
 
 def _idle_events(session: LifecycleSession) -> tuple[tuple[float, str, Callable[[], None]], ...]:
@@ -90,14 +95,17 @@ def _walk(session: LifecycleSession, rng: random.Random, steps: int, trace: list
     session.check_invariants()
 
 
-def _failure(err: Exception, trace: list[str], walk: int) -> str:
+def _failure(name: str, err: Exception, trace: list[str], walk: int) -> CheckResult:
+    """The failed check: where in which walk, the cause, and the events that led there."""
     cause = str(err) if isinstance(err, AssertionError) else "the quantizer raised " + describe_exception(err)
+    cause = cause or type(err).__name__
     shown = trace[-_TRACE_SHOWN:]
-    lines = [f"walk {walk}, at event {len(trace)}: {cause or type(err).__name__}"]
+    lines = [f"walk {walk}, at event {len(trace)}: {cause}"]
     if len(trace) > len(shown):
         lines.append(f"  ... {len(trace) - len(shown)} earlier events")
     lines += [f"  {len(trace) - len(shown) + i + 1}. {e}" for i, e in enumerate(shown)]
-    return "\n".join(lines)
+    # the cause in one line: failures of one cause in several settings are one line of the report
+    return CheckResult(name, CheckStatus.FAILED, "\n".join(lines), cause=" ".join(cause.split()))
 
 
 def _check_setting(
@@ -121,7 +129,7 @@ def _check_setting(
             runtime = QuantizerRuntime(adapter, sharding=sharding, weight=weight)
             _walk(LifecycleSession(runtime, use_microbatches=microbatches), rng, steps, trace)
         except Exception as err:  # AssertionError from an invariant, or the quantizer's own error
-            return CheckResult(name, CheckStatus.FAILED, _failure(err, trace, walk))
+            return _failure(name, err, trace, walk)
     return CheckResult(
         name, CheckStatus.PASSED,
         f"{walks} walks of {steps} events: live bytes matched what every plan kept alive; no read was stale",
