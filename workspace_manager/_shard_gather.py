@@ -78,6 +78,7 @@ __all__ = [
     "GatherCounts",
     "ShardGatherState",
     "enable_quantized_gather",
+    "enable_quantized_gather_sharded",
     "plain_tensor",
 ]
 
@@ -638,6 +639,74 @@ def enable_quantized_gather(model: torch.nn.Module, quantizer: ShardQuantizer, f
     return state
 
 
+def enable_quantized_gather_sharded(model: torch.nn.Module, quantizer: ShardQuantizer,
+                                    factory: GatheredWeightFactory, names: Iterable[str],
+                                    state: ShardGatherState | None = None) -> ShardGatherState:
+    """As :func:`enable_quantized_gather`, for a model FSDP2 has sharded
+    already: call after ``fully_shard`` and before the model's first forward
+    (FSDP2 reads a parameter's all-gather extension at its lazy init, which
+    allows one installed after ``fully_shard``). Wraps the local tensor of
+    each named sharded parameter (the DTensors FSDP2 made, which optimizers
+    made since hold) and FSDP2's padded buffer of it, without replacing the
+    parameter. ``state``: the model's state to add these weights to (another
+    quantizer's weights, wrapped before); a new one where None."""
+    if not isinstance(model, torch.nn.Module):
+        raise ContextTypeError(f"enable_quantized_gather_sharded: model must be a torch.nn.Module; "
+                               f"received {type(model).__name__}")
+    state = ShardGatherState(model) if state is None else state
+    params = dict(model.named_parameters())
+    for name in names:
+        if name not in params:
+            raise InvalidContextError(f"enable_quantized_gather_sharded: model has no parameter {name!r}; "
+                                      f"its parameters are {sorted(params)}")
+        group, fsdp_param = _sharded_record(name, params[name])
+        _wrap_sharded(fsdp_param, _Link(quantizer, factory, state))
+        _plain_state_dict_of(fsdp_param._module_info.module)
+    return state
+
+
+def _sharded_record(name: str, param: Any) -> tuple[Any, Any]:
+    """FSDP2's ``(FSDPParamGroup, FSDPParam)`` of sharded parameter
+    ``param``, before the group's lazy init; refused otherwise, by name."""
+    found = None
+    api = _fsdp2_api()
+    for fsdp_state in _distinct(_fsdp2_modules(api).values()) if api is not None else ():
+        for group in _sharded_groups(fsdp_state, api):
+            found = found or next(((group, fp) for fp in group.fsdp_params if fp.sharded_param is param), None)
+    if found is None:
+        raise InvalidContextError(
+            f"enable_quantized_gather_sharded: {name} is not a parameter FSDP2 shards; call it after fully_shard "
+            f"on the modules that hold it (a {type(param).__name__} of shape {tuple(param.shape)} arrived).")
+    group, fsdp_param = found
+    if getattr(group, "_reset_sharded_params", False) or hasattr(fsdp_param, "_unsharded_param"):
+        raise InvalidContextError(
+            f"enable_quantized_gather_sharded: the FSDP2 group of {name} has run its first forward, where FSDP2 "
+            "fixes what its all-gather sends; set the quantized gather up after fully_shard and before the model's "
+            "first forward.")
+    if type(param._local_tensor) is not torch.Tensor or not param.dtype.is_floating_point:
+        raise InvalidContextError(
+            f"enable_quantized_gather_sharded: {name} must be sharded by FSDP2 over a plain floating-point local "
+            f"tensor; it is {type(param._local_tensor).__name__} {param.dtype}.")
+    return group, fsdp_param
+
+
+def _wrap_sharded(fsdp_param: Any, link: _Link) -> None:
+    """Wrap FSDP2's padded shard buffer and the sharded parameter's local
+    tensor (a view of it) as FSDP2's ``fully_shard`` leaves them when it
+    shards a wrapped parameter: one link for both, so that the re-padding of
+    a short shard at lazy init carries the shard over (``_carried_shard``)."""
+    local = fsdp_param.sharded_param._local_tensor
+    padded = ShardGatherWeight(fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size), link)
+    fsdp_param._sharded_param_data = padded.view(-1)
+    fsdp_param.sharded_param._local_tensor = padded.narrow(0, 0, local.size(0))
+
+
+def _plain_state_dict_of(owner: torch.nn.Module) -> None:
+    if not getattr(owner, "_plain_state_dict_hook", False):
+        owner.register_state_dict_post_hook(_plain_state_dict)
+        owner._plain_state_dict_hook = True
+
+
 def _wrap(model: torch.nn.Module, name: str, param: torch.Tensor, link: _Link) -> None:
     if type(param.data) is not torch.Tensor or not param.dtype.is_floating_point or param.dim() < 1:
         raise InvalidContextError(
@@ -649,9 +718,7 @@ def _wrap(model: torch.nn.Module, name: str, param: torch.Tensor, link: _Link) -
     owner = model.get_submodule(owner_name)
     wrapped = torch.nn.Parameter(ShardGatherWeight(param.data, link), requires_grad=param.requires_grad)
     setattr(owner, attr, wrapped)
-    if not getattr(owner, "_plain_state_dict_hook", False):
-        owner.register_state_dict_post_hook(_plain_state_dict)
-        owner._plain_state_dict_hook = True
+    _plain_state_dict_of(owner)
 
 
 def _plain_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,

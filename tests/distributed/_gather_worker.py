@@ -34,7 +34,10 @@ from tests.distributed._gather_reference import (  # noqa: E402
     BlockScaling, CurrentScaling, RefFactory, RefFloat8Weight, RefLinear, quantize_whole,
 )
 from tests.distributed._ranks import report, run  # noqa: E402
-from workspace_manager._shard_gather import ShardGatherWeight, enable_quantized_gather  # noqa: E402
+from workspace_manager._errors import InvalidContextError  # noqa: E402
+from workspace_manager._shard_gather import (  # noqa: E402
+    ShardGatherWeight, enable_quantized_gather, enable_quantized_gather_sharded,
+)
 
 SHAPES = ((16, 10), (10, 6), (6, 16))  # (fan_in, fan_out) per layer: rows 10, 6, 16
 BATCH = 5
@@ -49,11 +52,13 @@ class Config:
     optimizer: str = "adamw_foreach"  # adamw_fused, sgd
     params: str = "bf16"  # fp32_mp: fp32 parameters, bf16 gathers (MixedPrecisionPolicy)
     steps: int = 3
+    #: "before" fully_shard (enable_quantized_gather) or "after" it (enable_quantized_gather_sharded)
+    wrap: str = "before"
 
     @property
     def name(self) -> str:
         return (f"{self.recipe}/reshard={self.reshard}/recompute={self.recompute}/mb={self.microbatches}/"
-                f"{self.optimizer}/{self.params}")
+                f"{self.optimizer}/{self.params}/wrap={self.wrap}")
 
 
 PARITY = [
@@ -67,6 +72,8 @@ PARITY = [
     Config(recipe="block", microbatches=4),
     Config(recipe="block", reshard=False, recompute=True, microbatches=4, optimizer="sgd"),
     Config(recipe="block", recompute=True, optimizer="adamw_fused", params="fp32_mp"),
+    Config(wrap="after", microbatches=4),
+    Config(recipe="block", wrap="after", reshard=False, recompute=True, optimizer="sgd"),
 ]
 
 
@@ -113,12 +120,15 @@ def build_pair(cfg: Config, mesh, seed: int = 0):
         for block in model.blocks:
             block.lin.quantizer = quantizer
     factory = RefFactory(ours.blocks[0].lin.quantizer.block)
-    state = enable_quantized_gather(ours, ours.blocks[0].lin.quantizer, factory, WEIGHTS)
+    if cfg.wrap == "before":
+        state = enable_quantized_gather(ours, ours.blocks[0].lin.quantizer, factory, WEIGHTS)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if cfg.params == "fp32_mp" else MixedPrecisionPolicy()
     for model in (stock, ours):
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard, mp_policy=mp)
+    if cfg.wrap == "after":
+        state = enable_quantized_gather_sharded(ours, ours.blocks[0].lin.quantizer, factory, WEIGHTS)
     return stock, ours, state, factory
 
 
@@ -463,11 +473,32 @@ def dcp_rows(mesh, out_dir: Path) -> list[dict]:
     return rows
 
 
+def refusal_rows(mesh) -> list[dict]:
+    """After its first forward FSDP2 has fixed what its all-gather sends, and
+    a parameter FSDP2 does not shard has no all-gather: both refused by name."""
+    cfg = Config()
+    stock, _, _, factory = build_pair(cfg, mesh)
+    loss_of(stock(batch(0, 0, torch.bfloat16))).backward()
+    rows = []
+    for what, model, names, words in [
+        ("after the first forward", stock, WEIGHTS[:1], "has run its first forward"),
+        ("a parameter FSDP2 does not shard", Model(None, torch.bfloat16, False), WEIGHTS[:1], "not a parameter FSDP2"),
+    ]:
+        try:
+            enable_quantized_gather_sharded(model, new_quantizer(cfg), factory, names)
+            got = "no error"
+        except InvalidContextError as err:
+            got = "refused" if words in str(err) else f"refused otherwise: {err}"
+        rows.append(row("refusals", what, "refused", got))
+    return rows
+
+
 def run_all(mesh, out_dir: Path) -> list[dict]:
     rows = []
     cases = [(cfg.name, lambda cfg=cfg: parity_rows(cfg, mesh)) for cfg in PARITY]
     cases += [(f"bytes {cfg.name}", lambda cfg=cfg: bytes_rows(cfg, mesh))
               for cfg in (Config(), Config(recipe="block"), Config(params="fp32_mp"))]
+    cases += [("refusals", lambda: refusal_rows(mesh))]
     cases += [("refresh", lambda: refresh_rows(mesh)), ("version", lambda: version_rows(mesh)),
               ("no_step_hook", lambda: without_step_hook_rows(mesh)), ("dcp", lambda: dcp_rows(mesh, out_dir))]
     only = os.environ.get("GATHER_CASES")

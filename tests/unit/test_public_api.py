@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_DOC = ROOT / "docs" / "api.md"
 #: The public modules of the TE-free core (importable here).
 CORE_MODULES = ("workspace_manager", "workspace_manager.extending", "workspace_manager.attribution",
-                "workspace_manager.testing")
+                "workspace_manager.testing", "workspace_manager.gather")
 
 
 def _literal(path: Path, name: str):
