@@ -578,6 +578,17 @@ class ShardGatherState:
                 out.append(name)
         return out
 
+    def shards(self) -> list[tuple[str, QuantizedShard, bool]]:
+        """``(name, shard, current)`` for each wrapped parameter holding a
+        cached shard: ``current`` is False where the parameter was written
+        since the shard was made (its next gather makes it again)."""
+        out = []
+        for name, param in self.wrapped():
+            local = _local(param)
+            if local._link.shard is not None:
+                out.append((name, local._link.shard, local._link.shard.is_current(local)))
+        return out
+
     def held_bytes(self) -> int:
         """Bytes of the cached quantized shards (data and scales)."""
         shards = [_local(p)._link.shard for _, p in self.wrapped()]

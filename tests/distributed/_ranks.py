@@ -28,6 +28,21 @@ def report(path: Path, part: dict) -> int:
     return 1 if failed else 0
 
 
+def rows_of(cases: list[Callable[[], list[dict]]], failed: Callable[[str], dict]) -> list[dict]:
+    """The rows of every case, in order; a case that raises gives the row
+    ``failed(error)`` instead, with its traceback on stderr."""
+    import traceback
+
+    rows: list[dict] = []
+    for case in cases:
+        try:
+            rows.extend(case())
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
+            traceback.print_exc()
+            rows.append(failed(f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
 def run(main: Callable[[], int]) -> None:
     """Run ``main`` and leave with its status, without the interpreter's
     teardown: there, gloo's threads sometimes race and abort a rank

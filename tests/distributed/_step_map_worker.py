@@ -11,7 +11,6 @@ clock (docs/decisions.md, D12). Writes ``{"ranks": [{"rank", "rows"}]}``.
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from _pytest.monkeypatch import MonkeyPatch  # noqa: E402  (the stand-in's loade
 
 from _fake_te import TELinear, load_full_binding  # noqa: E402
 
-from tests.distributed._ranks import report, run  # noqa: E402
+from tests.distributed._ranks import report, rows_of, run  # noqa: E402
 
 TI = load_full_binding(MonkeyPatch())
 
@@ -100,17 +99,11 @@ def main() -> int:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    rows: list[dict] = []
     cases = [lambda: steps_write_their_own_model(mesh, True, False),
              lambda: steps_write_their_own_model(mesh, False, False),
              lambda: steps_write_their_own_model(mesh, False, True),
              lambda: an_unplaceable_parameter_writes_every_model(mesh)]
-    for case in cases:
-        try:
-            rows.extend(case())
-        except Exception as exc:  # noqa: BLE001 - reported as a failed row
-            traceback.print_exc()
-            rows.append(_row("setup", "no error", None, f"{type(exc).__name__}: {exc}"))
+    rows = rows_of(cases, lambda error: _row("setup", "no error", None, error))
     return report(Path(out_path), {"rank": dist.get_rank(), "rows": rows})
 
 
