@@ -28,6 +28,7 @@ from .runtime._model import release_step_caches
 from .runtime._stale import StaleCopy, StaleKind, StaleWorkspaceError, release_workspaces, stale_workspaces
 from .runtime._gemm_watch import StaleRead, StaleReadWatch, check_stale_reads
 from .runtime._budget import BudgetChoice, BudgetEntry, WorkspaceBudget, apply_workspace_budget
+from .runtime._gather import GatherChoice, QuantizedGatherSetup, enable_quantized_gather
 from .runtime._kind_registry import register_with_explain
 from . import debug
 from workspace_manager.extending import moved_names
@@ -63,6 +64,10 @@ __all__ = [
     "WorkspaceBudget",
     "BudgetEntry",
     "BudgetChoice",
+    # the quantized FSDP2 all-gather of bf16/fp32 weights (docs/decisions.md, D13)
+    "enable_quantized_gather",
+    "QuantizedGatherSetup",
+    "GatherChoice",
     # another library patched the functions the drop-ins hook
     "ForeignPatchError",
 ]

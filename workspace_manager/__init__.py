@@ -19,6 +19,7 @@ from ._context import (
     QuantizerCapabilities,
     RecomputePass,
     RecomputeScope,
+    ShardGather,
     Sharding,
     WeightSource,
     WorkspaceContext,
@@ -40,7 +41,7 @@ from ._errors import (
 from . import attribution, extending
 from ._explain_layout import explain
 from ._moved import moved_names
-from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspaceOrigin, WorkspacePlan
 from ._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
@@ -48,6 +49,7 @@ from ._policy import (
     LeanWorkspacePolicy,
     MicrobatchCache,
     Policy,
+    QuantizedGather,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
@@ -74,6 +76,7 @@ __all__ = [
     "WeightSource",
     "Microbatch",
     "BackwardOverride",
+    "ShardGather",
     # the plan
     "WorkspacePlan",
     "CacheAction",
@@ -81,6 +84,7 @@ __all__ = [
     "BackwardSource",
     "ColumnwiseSource",
     "Release",
+    "WorkspaceOrigin",
     # policies: what every policy provides, then the shipped ones
     "Policy",
     "WorkspacePolicy",
@@ -91,6 +95,7 @@ __all__ = [
     "DistributedWeightWorkspacePolicy",
     "MicrobatchCache",
     "RecomputeCopy",
+    "QuantizedGather",
     "select_policy",
     "resolve_policy",
     "plan_call",

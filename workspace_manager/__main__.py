@@ -93,6 +93,11 @@ def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
         "--full", action="store_true",
         help="also vary dgrad and backward_override, and merge no rows (a much longer table)"
     )
+    explain.add_argument(
+        "--gather", action="store_true",
+        help="also the FSDP2 settings with a quantized all-gather set up (gather:...), where the plan says whether "
+        "the workspace is made from the shard before the all-gather (cache cell 'shard'); --full includes them",
+    )
     explain.add_argument("--why", action="store_true", help="print each plan's reasons under it")
     explain.add_argument(
         "--width", type=_width, default=DEFAULT_WIDTH,
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.error(f"choose a subcommand: {', '.join(COMMANDS)} (e.g. '{parser.prog} explain')")
     return emit(explain(args.policy, args.recipe, args.quantizer, full=args.full, why=args.why, width=args.width,
-                        as_json=args.json), parser.prog)
+                        as_json=args.json, gather=args.gather), parser.prog)
 
 
 def emit(text: str, prog: str = MODULE_PROG) -> int:

@@ -23,6 +23,7 @@ __all__ = [
     "WeightSource",
     "Microbatch",
     "BackwardOverride",
+    "ShardGather",
     "QuantizerCapabilities",
     "WorkspaceContext",
     "valid_contexts",
@@ -151,6 +152,38 @@ class BackwardOverride(enum.Enum):
             ) from None
 
 
+class ShardGather(enum.Enum):
+    """Whether a quantized all-gather is set up for the weight: a binding
+    that can make FSDP2 gather a quantized copy of the local shard instead
+    of the high-precision shard says so, and over how many ranks. The policy
+    decides whether the workspace is then made from the shard
+    (``WorkspacePlan.workspace_origin``); a binding sets the gather up only
+    where it does, and reports it at every later call of the weight."""
+
+    #: FSDP2 gathers the weight in its own dtype (or the weight is not
+    #: sharded by FSDP2): nothing quantized can arrive from the all-gather.
+    NONE = "none"
+    #: A quantized all-gather is set up; FSDP2 shards the weight over one
+    #: rank (a mesh of one GPU), so the all-gather moves no bytes.
+    ONE_RANK = "one_rank"
+    #: A quantized all-gather is set up; FSDP2 shards the weight over two
+    #: ranks or more.
+    MANY_RANKS = "many_ranks"
+
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is Python code, which the bindings' per-call
+    # memo keys would pay for on every module call.
+    __hash__ = object.__hash__
+
+    @classmethod
+    def for_world_size(cls, world_size: int) -> ShardGather:
+        """The member for a quantized all-gather set up over ``world_size`` ranks."""
+        if type(world_size) is not int or world_size < 1:
+            raise ContextTypeError(f"ShardGather.for_world_size expects a number of ranks (an int of at least 1); "
+                                   f"received {world_size!r}")
+        return cls.ONE_RANK if world_size == 1 else cls.MANY_RANKS
+
+
 def _require_type(owner: str, name: str, value: Any, expected: type) -> None:
     """Raise a ContextTypeError naming the field, the value and what is allowed."""
     if type(value) is expected:  # the common case, decided at once: a member of the enum, a bool
@@ -185,7 +218,7 @@ class QuantizerCapabilities:
     """What a weight quantizer's format can do; the registry maps quantizer
     classes to one of these.
 
-    The policies read three facts; ``name`` only labels tables and errors.
+    The policies read four facts; ``name`` only labels tables and errors.
     """
 
     name: str
@@ -213,12 +246,24 @@ class QuantizerCapabilities:
     cache across microbatches, a ``te.checkpoint`` recompute pass under FSDP2
     leaves dgrad's copy to the backward rebuild (as TE does), and a plan that
     rebuilds in backward says so in its notes."""
+    shard_quantization_exact: bool = False
+    """Each rank can quantize its FSDP2 shard (dim-0 rows) on its own to the
+    bytes a quantization of the whole weight gives those rows, once the ranks
+    have reduced one statistic of their shards with a MAX all-reduce
+    (per-tensor current scaling: the amax; 2D block scaling: the grid of
+    block amaxes). The FSDP2 policy makes a workspace from the shard before
+    the all-gather only for such formats, and only where they also
+    requantize exactly and derive columnwise data (dgrad's data is derived
+    after the gather). False by default: a format claims it only where the
+    claim holds bit for bit; false for delayed scaling, whose scale comes
+    from an amax history rather than the weight."""
 
     _FIELD_TYPES = {
         "name": str,
         "columnwise_derivable": bool,
         "derived_caches": bool,
         "requantization_safe": bool,
+        "shard_quantization_exact": bool,
     }
 
     def __post_init__(self) -> None:
@@ -253,6 +298,9 @@ class WorkspaceContext:
     """The position in a gradient-accumulation sequence."""
     backward_override: BackwardOverride = BackwardOverride.NONE
     """TE's ``backward_override``."""
+    shard_gather: ShardGather = ShardGather.NONE
+    """Whether a quantized all-gather is set up for an FSDP2 weight (only
+    for a high-precision weight sharded by FSDP2)."""
 
     _FIELD_TYPES = {
         "capabilities": QuantizerCapabilities,
@@ -264,10 +312,13 @@ class WorkspaceContext:
         "weight": WeightSource,
         "microbatch": Microbatch,
         "backward_override": BackwardOverride,
+        "shard_gather": ShardGather,
     }
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.shard_gather is not ShardGather.NONE:
+            _check_shard_gather(self)
         if self.recompute is RecomputePass.RECOMPUTE and not self.grad_enabled:
             raise InvalidContextError(
                 "WorkspaceContext: recompute=RecomputePass.RECOMPUTE requires grad_enabled=True "
@@ -318,6 +369,17 @@ class WorkspaceContext:
         return replace(self, recompute=RecomputePass.RECOMPUTE, grad_enabled=True)
 
 
+def _check_shard_gather(ctx: WorkspaceContext) -> None:
+    """A quantized all-gather is FSDP2's, of a high-precision weight (a
+    quantized parameter has TE's own FSDP2 gather)."""
+    if not ctx.sharding.is_fsdp2 or ctx.weight is not WeightSource.HIGH_PRECISION:
+        raise InvalidContextError(
+            f"WorkspaceContext: shard_gather=ShardGather.{ctx.shard_gather.name} describes FSDP2's all-gather of a "
+            f"high-precision weight, but this call has sharding=Sharding.{ctx.sharding.name} and "
+            f"weight=WeightSource.{ctx.weight.name}. Leave shard_gather at ShardGather.NONE."
+        )
+
+
 def valid_contexts(
     capabilities: QuantizerCapabilities,
     *,
@@ -329,16 +391,20 @@ def valid_contexts(
     microbatches: Iterable[Microbatch] = tuple(Microbatch),
     overrides: Iterable[BackwardOverride] = tuple(BackwardOverride),
     scopes: Iterable[RecomputeScope] = tuple(RecomputeScope),
+    gathers: Iterable[ShardGather] = tuple(ShardGather),
 ) -> Iterator[WorkspaceContext]:
     """Every valid context over the given values (the recompute pass always
-    has grad; a scope other than ``REGION`` needs a recompute pass), in the
+    has grad; a scope other than ``REGION`` needs a recompute pass; a
+    quantized all-gather is FSDP2's, of a high-precision weight), in the
     order of the arguments."""
-    for sharding, rpass, scope, weight, grad, dgrad, mb, override in itertools.product(
-        shardings, passes, tuple(scopes), weights, grads, dgrads, microbatches, overrides
+    for sharding, rpass, scope, weight, grad, dgrad, mb, override, gather in itertools.product(
+        shardings, passes, tuple(scopes), weights, grads, dgrads, microbatches, overrides, tuple(gathers)
     ):
         if rpass is RecomputePass.RECOMPUTE and not grad:
             continue
         if scope is RecomputeScope.MODULE and rpass is RecomputePass.NONE:
+            continue
+        if gather is not ShardGather.NONE and not (sharding.is_fsdp2 and weight is WeightSource.HIGH_PRECISION):
             continue
         yield WorkspaceContext(
             capabilities=capabilities,
@@ -350,4 +416,5 @@ def valid_contexts(
             weight=weight,
             microbatch=mb,
             backward_override=override,
+            shard_gather=gather,
         )

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ._context import BackwardOverride, QuantizerCapabilities, RecomputePass, Sharding, WorkspaceContext, valid_contexts
+from ._context import (BackwardOverride, QuantizerCapabilities, RecomputePass, ShardGather, Sharding, WorkspaceContext,
+                       valid_contexts)
 from ._errors import ContextTypeError
 from ._plan import WorkspacePlan
 from ._policy import Policy
@@ -47,6 +48,7 @@ class DecisionRow:
                 "weight": c.weight.value,
                 "microbatch": c.microbatch.value,
                 "backward_override": c.backward_override.value,
+                "shard_gather": c.shard_gather.value,
             },
             "plan": self.plan.to_dict(),
         }
@@ -61,9 +63,12 @@ def _policy_choices() -> dict[str, Policy]:
 POLICY_CHOICES = POLICY_NAMES
 
 
-def _contexts(policy: Policy, capabilities: QuantizerCapabilities, full: bool) -> Iterator[WorkspaceContext]:
+def _contexts(policy: Policy, capabilities: QuantizerCapabilities, full: bool,
+              gather: bool = False) -> Iterator[WorkspaceContext]:
     """The settings shown for a policy: its shardings x passes x weight x
-    grad x microbatch (and, with ``full``, dgrad and backward_override)."""
+    grad x microbatch (with ``full``, dgrad and backward_override too; with
+    ``full`` or ``gather``, the FSDP2 settings with a quantized all-gather
+    set up, ``ShardGather``, beside those without)."""
     # A policy of recompute passes plans the other calls as its inner policy
     # does, which that policy's own table shows: its table shows the passes.
     passes = sorted(policy.recompute_passes - {RecomputePass.NONE}, key=list(RecomputePass).index)
@@ -73,6 +78,7 @@ def _contexts(policy: Policy, capabilities: QuantizerCapabilities, full: bool) -
         passes=passes or [RecomputePass.NONE],
         dgrads=[True, False] if full else [True],
         overrides=list(BackwardOverride) if full else [BackwardOverride.NONE],
+        gathers=list(ShardGather) if (full or gather) else [ShardGather.NONE],
     )
 
 
@@ -81,15 +87,17 @@ def decision_table(
     policies: Iterable[str] | None = None,
     *,
     full: bool = False,
+    gather: bool = False,
 ) -> list[DecisionRow]:
-    """Every (policy, setting, profile) combination with its plan."""
+    """Every (policy, setting, profile) combination with its plan (the
+    settings :func:`_contexts` shows)."""
     choices = _policy_choices()
     names = list(policies) if policies is not None else list(choices)
     rows = []
     for name in names:
         policy = choices[name]
         for caps in profiles:
-            for ctx in _contexts(policy, caps, full):
+            for ctx in _contexts(policy, caps, full, gather):
                 rows.append(DecisionRow(name, ctx, policy.plan(ctx)))
     return rows
 

@@ -12,10 +12,10 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ._context import QuantizerCapabilities, RecomputePass, RecomputeScope, Sharding, WorkspaceContext
+from ._context import QuantizerCapabilities, RecomputePass, RecomputeScope, ShardGather, Sharding, WorkspaceContext
 from ._errors import UnknownProfileError, UnknownRecipeError
 from ._explain import DecisionRow, decision_table, quantizer_label, recipe_names, registered_module_kinds
-from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._plan import BackwardSource, ColumnwiseSource, Release, Usage, WorkspaceOrigin, WorkspacePlan
 from ._profiles import PROFILES, RECIPE_PROFILES
 from ._selection import named_policy
 
@@ -35,6 +35,8 @@ def setting_words(ctx: WorkspaceContext) -> str:
     if not ctx.input_requires_grad:
         parts.append("no_dgrad")
     parts.append("qparam" if ctx.is_quantized_param else "hp_weight")
+    if ctx.shard_gather is not ShardGather.NONE:
+        parts.append(f"gather:{ctx.shard_gather.value}")
     parts.append(f"mb:{ctx.microbatch.value}")
     if ctx.backward_override.value != "none":
         parts.append(f"override:{ctx.backward_override.value}")
@@ -92,6 +94,9 @@ LEGEND: dict[str, str] = {
     "no_dgrad": "the input needs no gradient, so backward computes no dgrad",
     "hp_weight": "high-precision weight",
     "qparam": "quantized parameter (te.quantized_model_init)",
+    "gather:one_rank": "a quantized all-gather is set up for the weight, FSDP2 over one rank",
+    "gather:many_ranks": "a quantized all-gather is set up for the weight, FSDP2 over two ranks or more",
+    "gather:set_up": "a quantized all-gather is set up for the weight, at any world size alike",
     "mb:none": "is_first_microbatch=None (no gradient accumulation)",
     "mb:first": "is_first_microbatch=True (a step's first microbatch)",
     "mb:later": "is_first_microbatch=False (a later one, same weight)",
@@ -112,6 +117,7 @@ LEGEND: dict[str, str] = {
     "fill": "quantize and store in the cache",
     "reuse": "use the cached workspace as it is",
     "read_only": "read the cache if it is there, never write it",
+    "shard": "made from the shard before FSDP2's all-gather, once per step (the gather sends it quantized)",
     "-": "none",
     "row": "rowwise data (fprop)",
     "col": "columnwise data (dgrad)",
@@ -177,12 +183,15 @@ def group_settings(rows: list[DecisionRow]) -> dict[str, dict[str, list[_Group]]
 
 
 def plan_cells(plan: WorkspacePlan) -> tuple[str, ...]:
-    """The six plan cells of a row, in the table's short words."""
+    """The six plan cells of a row, in the table's short words. The cache
+    cell says ``shard`` for a workspace made from the shard (once per step,
+    the copy every call of the step reads; its cache action is ``bypass``)."""
     backward = _SOURCE[plan.backward_source]
     if plan.backward_usage is not Usage.NONE:
         backward += ":" + _USAGE[plan.backward_usage]
     release = "+".join(v for k, v in _RELEASE.items() if k in plan.release) or "-"
-    return (plan.cache.value, _USAGE[plan.forward_usage], backward, _COLUMNWISE[plan.columnwise_source],
+    cache = "shard" if plan.workspace_origin is WorkspaceOrigin.SHARD else plan.cache.value
+    return (cache, _USAGE[plan.forward_usage], backward, _COLUMNWISE[plan.columnwise_source],
             release, _USAGE[plan.parameter_keeps])
 
 
@@ -266,6 +275,7 @@ _MERGES = (
     _Merge((Sharding.FSDP2_RESHARD.value, Sharding.FSDP2_KEEP.value), "fsdp2_any"),
     _Merge(("recompute:first", "recompute:first(own)"), "recompute:first(any)"),
     _Merge(("recompute:recompute", "recompute:recompute(own)"), "recompute:recompute(any)"),
+    _Merge((f"gather:{ShardGather.ONE_RANK.value}", f"gather:{ShardGather.MANY_RANKS.value}"), "gather:set_up"),
 )
 
 
@@ -599,12 +609,16 @@ def explain(
     why: bool = False,
     width: int = 80,
     as_json: bool = False,
+    gather: bool = False,
 ) -> str:
     """The decision table, as ``python -m workspace_manager explain`` prints
     it with the same options: ``policy`` (names of :data:`POLICY_NAMES`),
     ``recipe`` (TE recipe class names) and ``quantizer`` (capability profiles
     or recipes) narrow it, each a name or several, in any case; ``full``
-    adds the dgrad and ``backward_override`` rows and merges none; ``why``
+    adds the dgrad and ``backward_override`` rows and merges none;
+    ``gather`` (also in ``full``) adds the FSDP2 settings where a binding set
+    up a quantized all-gather (``ShardGather``), whose plans say where the
+    workspace is made (``WorkspacePlan.workspace_origin``); ``why``
     prints each plan's reasons; ``width`` (at least 80) wraps the text;
     ``as_json`` gives the rows as JSON instead. Unknown names raise
     UnknownPolicyError, UnknownRecipeError or UnknownProfileError."""
@@ -612,7 +626,7 @@ def explain(
     recipes, quantizers = _names("recipe", recipe), _names("quantizer", quantizer)
     if type(width) is not int or width < MIN_WIDTH:
         raise ValueError(f"explain: width must be an int of at least {MIN_WIDTH} columns; received {width!r}")
-    rows = decision_table(selected_profiles(quantizers, recipes), policies or None, full=full)
+    rows = decision_table(selected_profiles(quantizers, recipes), policies or None, full=full, gather=gather)
     if as_json:
         return render_json(rows) + "\n"
     named = bool(recipes or quantizers)

@@ -7,8 +7,8 @@ the decision table (which prints them), so that neither imports the other.
 
 from __future__ import annotations
 
-from ._context import Microbatch, RecomputePass, Sharding, WorkspaceContext
-from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage
+from ._context import Microbatch, RecomputePass, ShardGather, Sharding, WorkspaceContext
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspaceOrigin
 
 __all__ = ["plan_notes"]
 
@@ -21,9 +21,15 @@ def plan_notes(
     columnwise: ColumnwiseSource,
     release: Release,
     keeps: Usage = Usage.NONE,
+    origin: WorkspaceOrigin = WorkspaceOrigin.CALL,
+    gather_refusal: str | None = None,
 ) -> tuple[str, ...]:
-    """Why a plan is what it is, one short sentence per decision that needs one."""
-    notes = [_cache_note(ctx, cache)]
+    """Why a plan is what it is, one short sentence per decision that needs
+    one. ``gather_refusal``: why the policy makes the workspace in the call
+    although a quantized all-gather is set up (``ctx.shard_gather``)."""
+    notes = [_origin_note(ctx, origin, gather_refusal)]
+    if origin is WorkspaceOrigin.CALL:  # a workspace made from the shard is cached by no module
+        notes.append(_cache_note(ctx, cache))
     if source is BackwardSource.REGATHER:
         notes.append("nothing is saved; backward gathers the distributed weight again")
     elif source is BackwardSource.REQUANTIZE:
@@ -51,6 +57,16 @@ def plan_notes(
     if keeps is Usage.ROWWISE:
         notes.append("the sharded parameter keeps rowwise data only: its all-gather sends no more")
     return tuple(n for n in notes if n)
+
+
+def _origin_note(ctx: WorkspaceContext, origin: WorkspaceOrigin, refusal: str | None) -> str:
+    """Where the workspace is made, where a quantized all-gather is set up."""
+    if origin is WorkspaceOrigin.SHARD:
+        return ("made from the shard before FSDP2's all-gather, once per optimizer step: the gather sends "
+                "1 byte per parameter and the call quantizes nothing")
+    if ctx.shard_gather is ShardGather.NONE:
+        return ""
+    return f"made in the call, not from the shard: {refusal or 'the policy makes every workspace in the call'}"
 
 
 def _recompute_rebuild_note(ctx: WorkspaceContext) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from ._context import _require_type
 from ._errors import ContextTypeError, InvalidPlanError
 
-__all__ = ["CacheAction", "Usage", "BackwardSource", "ColumnwiseSource", "Release", "WorkspacePlan"]
+__all__ = ["CacheAction", "Usage", "BackwardSource", "ColumnwiseSource", "Release", "WorkspaceOrigin", "WorkspacePlan"]
 
 
 class CacheAction(enum.Enum):
@@ -114,10 +114,25 @@ class Release(enum.Flag):
         return "+".join(parts)
 
 
+class WorkspaceOrigin(enum.Enum):
+    """Where the workspace the call's GEMMs read is made."""
+
+    #: In the call, from the weight it receives: a high-precision weight (the
+    #: whole weight, or the one FSDP2's all-gather brought) is quantized; a
+    #: quantized parameter is taken as it is. TE's behaviour.
+    CALL = "call"
+    #: From the local FSDP2 shard, before the all-gather, once per optimizer
+    #: step: each rank quantizes its shard with the whole weight's scale and
+    #: FSDP2 gathers the quantized bytes, so the call receives the workspace
+    #: ready-made (rowwise data; columnwise data is derived from it after the
+    #: gather). The quantized shard is held until the weight is written again.
+    SHARD = "shard"
+
+
 @dataclass(frozen=True, slots=True)
 class WorkspacePlan:
-    """The four workspace decisions for one call, in seven fields: cache
-    (``cache``); forward usage (``forward_usage``, ``parameter_keeps``);
+    """The four workspace decisions for one call, in eight fields: cache
+    (``cache``, ``workspace_origin``); forward usage (``forward_usage``, ``parameter_keeps``);
     backward (``backward_source``, ``columnwise_source``,
     ``backward_usage``); release (``release``).
 
@@ -144,6 +159,10 @@ class WorkspacePlan:
     copy keeps between steps; none for a high-precision weight."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Why the plan is what it is, in words, for tables and reports."""
+    # Last, after ``notes``: plans built with positional fields keep their meaning.
+    workspace_origin: WorkspaceOrigin = WorkspaceOrigin.CALL
+    """Where the workspace is made: in the call (TE's way), or from the FSDP2
+    shard before its all-gather, once per optimizer step."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -160,6 +179,7 @@ class WorkspacePlan:
             f"backward={self.backward_source.value}({self.backward_usage.label}) "
             f"columnwise={self.columnwise_source.value} release={self.release.label}"
             + (f" parameter_keeps={self.parameter_keeps.label}" if self.parameter_keeps is not Usage.NONE else "")
+            + (f" origin={self.workspace_origin.value}" if self.workspace_origin is not WorkspaceOrigin.CALL else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +191,7 @@ class WorkspacePlan:
             "columnwise_source": self.columnwise_source.value,
             "release": self.release.label,
             "parameter_keeps": self.parameter_keeps.label,
+            "workspace_origin": self.workspace_origin.value,
             "notes": list(self.notes),
         }
 
@@ -188,7 +209,7 @@ def _check_types(plan: WorkspacePlan) -> None:
 
 _FIELD_TYPES = (("cache", CacheAction), ("forward_usage", Usage), ("backward_source", BackwardSource),
                 ("backward_usage", Usage), ("columnwise_source", ColumnwiseSource), ("release", Release),
-                ("parameter_keeps", Usage))
+                ("parameter_keeps", Usage), ("workspace_origin", WorkspaceOrigin))
 
 
 def _contradictions(plan: WorkspacePlan) -> list[str]:
@@ -225,4 +246,26 @@ def _contradictions(plan: WorkspacePlan) -> list[str]:
         BackwardSource.REGATHER,
     ):
         problems.append("columnwise from a gather needs a saved parameter or a re-gathered weight")
+    if plan.workspace_origin is WorkspaceOrigin.SHARD:
+        problems.extend(_shard_origin_contradictions(plan))
+    return problems
+
+
+def _shard_origin_contradictions(plan: WorkspacePlan) -> list[str]:
+    """A workspace made from the shard arrives with FSDP2's all-gather as
+    rowwise data: it is the gathered parameter, cached by no module, and
+    dgrad's columnwise data can only be derived from it (nothing high
+    precision arrives to requantize from)."""
+    problems = []
+    if plan.cache is not CacheAction.BYPASS:
+        problems.append("a workspace made from the shard is cached by no module (cache must be bypass)")
+    if plan.forward_usage is not Usage.ROWWISE:
+        problems.append("a workspace made from the shard arrives with rowwise data only (forward_usage=rowwise)")
+    if plan.backward_source not in (BackwardSource.NONE, BackwardSource.SAVED_PARAMETER):
+        problems.append("a workspace made from the shard reaches backward as the gathered parameter "
+                        "(backward_source saved_parameter, or none)")
+    if plan.columnwise_source not in (ColumnwiseSource.NOT_NEEDED, ColumnwiseSource.DERIVED):
+        problems.append("dgrad's columnwise data of a workspace made from the shard is derived after the gather")
+    if plan.parameter_keeps is not Usage.NONE:
+        problems.append("a workspace made from the shard belongs to a high-precision parameter (parameter_keeps=none)")
     return problems

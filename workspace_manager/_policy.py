@@ -3,9 +3,11 @@
 [Note: workspace lifetime]
 A "workspace" is the quantized copy of a high-precision weight. Four
 decisions govern its life. A WorkspacePlan answers the four decisions in
-seven fields:
+eight fields:
 
-  1. cache:          ``cache``
+  1. cache:          ``cache``, and where the workspace is made
+                     (``workspace_origin``: in the call, or under FSDP2
+                     from the shard once per step, before the all-gather)
   2. forward usage:  ``forward_usage``; for a quantized parameter also
                      ``parameter_keeps``
   3. backward:       ``backward_source``, ``columnwise_source``, and
@@ -17,13 +19,14 @@ seven fields:
 and the settings it plans (``shardings``, ``recompute_passes``); bindings,
 selection and ``explain`` ask nothing else. :class:`WorkspacePolicy`, the
 plain policy, and its subclasses answer the four decisions through
-six methods, one per chosen field: ``cache_action``, ``forward_usage``,
-``parameter_keeps``, ``backward_source``, ``columnwise_source``, ``release``.
+seven methods, one per chosen field: ``workspace_origin``, ``cache_action``,
+``forward_usage``, ``parameter_keeps``, ``backward_source``,
+``columnwise_source``, ``release``.
 A recompute pass is not a seventh policy but a transform:
 ``recompute_pass_plan`` turns the plan the inner policy makes for the
 step's real forward (``inner_policy_context``) into the pass's plan;
 ``RecomputeWorkspacePolicy(inner)`` applies it, a :class:`Policy` that asks
-none of the six methods.
+none of the seven methods.
 
 The life per policy, for one training step (F = forward, B = backward,
 layer i of n; "row" and "col" are the rowwise and columnwise data)::
@@ -43,6 +46,16 @@ layer i of n; "row" and "col" are the rowwise and columnwise data)::
   FSDP2WorkspacePolicy, reshard_after_forward=False
     as reshard_after_forward=True, microbatches or not: every microbatch
     quantizes again (TE's behaviour).
+
+  FSDP2WorkspacePolicy, a quantized all-gather set up (ShardGather), at
+  world size > 1 (QuantizedGather.ON: at one rank too); formats that
+  quantize a shard exactly (current scaling, 2D block scaling)
+    optimizer step: each rank quantizes its shard row ─► held for the step
+    F_i: gather the quantized shards (the workspace) ─► GEMM ─► saved as
+    the gathered parameter (both reshard modes: FSDP2 refills it)
+    B_i: columnwise derived from the gathered rowwise data ─► dgrad ─►
+    derived data cleared (Release.DERIVED_COLUMNWISE); nothing quantized
+    in any forward or backward, for any number of microbatches
     option microbatch_cache=MicrobatchCache.EXACT_FORMATS, with microbatches
     (quantizers that requantize exactly; others as without the option)
     first F_i: FILL row+col ─► saved ─► reused by every later microbatch
@@ -109,16 +122,19 @@ from ._context import (
     Microbatch,
     RecomputePass,
     RecomputeScope,
+    ShardGather,
     Sharding,
+    WeightSource,
     WorkspaceContext,
 )
 from ._errors import ContextTypeError, InvalidContextError, PolicyMismatchError
 from ._notes import plan_notes
-from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+from ._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspaceOrigin, WorkspacePlan
 
 __all__ = [
     "Policy",
     "MicrobatchCache",
+    "QuantizedGather",
     "RecomputeCopy",
     "LeanWorkspacePolicy",
     "KeepForBackwardWorkspacePolicy",
@@ -128,6 +144,7 @@ __all__ = [
     "DistributedWeightWorkspacePolicy",
     "backward_usage",
     "base_policy_for",
+    "shard_gather_refusal",
     "inner_policy_context",
     "recompute_pass_plan",
 ]
@@ -146,6 +163,31 @@ class MicrobatchCache(enum.Enum):
     #: it, and it is dropped after the step's last backward. Costs one
     #: quantized copy per weight for the whole step, for fewer quantizations.
     EXACT_FORMATS = "exact_formats"
+
+
+class QuantizedGather(enum.Enum):
+    """Option of :class:`FSDP2WorkspacePolicy` (and its subclasses): where a
+    quantized all-gather is set up for a weight (``ShardGather``), whether
+    its workspace is made from the shard before the all-gather, once per
+    optimizer step (docs/decisions.md, D13). Only ever for formats that
+    quantize a shard exactly, requantize exactly and derive columnwise data
+    (:func:`shard_gather_refusal`); other calls are planned as with ``OFF``."""
+
+    #: The rule: from the shard where FSDP2 shards the weight over two ranks
+    #: or more (the all-gather moves half the bytes, and each rank quantizes
+    #: its shard once per step instead of the whole weight in every forward
+    #: and backward of every microbatch); in the call at one rank, where no
+    #: byte moves and the shard held for the step (1 byte per parameter)
+    #: would buy only the quantizations of later microbatches, which a policy
+    #: cannot count before the step's first all-gather fixes what FSDP2 gathers.
+    AUTO = "auto"
+    #: From the shard wherever the format allows it, one rank included: for
+    #: gradient accumulation on one GPU (the shard is then a copy of the
+    #: whole weight held for the step, in place of every microbatch's
+    #: quantizations).
+    ON = "on"
+    #: Never: every workspace is made in the call, as TE does.
+    OFF = "off"
 
 
 class RecomputeCopy(enum.Enum):
@@ -214,6 +256,47 @@ def _copy_and_rebuild_agree(ctx: WorkspaceContext) -> bool:
     return not ctx.is_quantized_param and _requantizes_exactly(ctx)
 
 
+def shard_gather_refusal(ctx: WorkspaceContext) -> str | None:
+    """Why the workspace of ``ctx``'s weight cannot be made from its shard
+    bit for bit as a quantization in the call makes it, or None where it
+    can: a quantized all-gather is set up (``ctx.shard_gather``), and the
+    format quantizes a shard exactly (``shard_quantization_exact``),
+    requantizes exactly (one quantization stands in for every call's of the
+    step) and derives columnwise data (dgrad's data is derived after the
+    gather, which sends rowwise data only); and dgrad does not read the
+    high-precision weight, which a quantized gather does not bring."""
+    caps = ctx.capabilities
+    if ctx.shard_gather is ShardGather.NONE:
+        return "no quantized all-gather is set up for this weight"
+    if not caps.shard_quantization_exact:
+        return f"{caps.name} does not quantize a shard to the whole weight's bytes (shard_quantization_exact=False)"
+    if not caps.requantization_safe:
+        return f"{caps.name} does not requantize exactly: one copy per step would differ from TE's per call"
+    if not caps.columnwise_derivable:
+        return f"{caps.name} cannot derive dgrad's columnwise data from the gathered rowwise data"
+    if ctx.backward_override is BackwardOverride.HIGH_PRECISION:
+        return "backward_override='high_precision': dgrad reads the high-precision weight, which is not gathered"
+    return None
+
+
+def _arrived(ctx: WorkspaceContext) -> WorkspaceContext:
+    """The call as the weight reaches it when the workspace is made from the
+    shard: FSDP2's all-gather hands it over quantized, as it hands over a
+    quantized parameter (``WeightSource.QUANTIZED_PARAM``)."""
+    return replace(ctx, weight=WeightSource.QUANTIZED_PARAM, shard_gather=ShardGather.NONE)
+
+
+def _from_the_shard(ctx: WorkspaceContext, arrived_plan: WorkspacePlan) -> WorkspacePlan:
+    """The plan of ``ctx`` whose workspace is made from the shard: the plan
+    of the call as the weight arrives (:func:`_arrived`), with the weight's
+    own facts: a high-precision parameter (it keeps nothing quantized
+    itself; the quantized shard is the workspace's origin) and its notes."""
+    p = arrived_plan
+    notes = plan_notes(ctx, p.cache, p.forward_usage, p.backward_source, p.columnwise_source, p.release,
+                       Usage.NONE, WorkspaceOrigin.SHARD)
+    return replace(p, parameter_keeps=Usage.NONE, workspace_origin=WorkspaceOrigin.SHARD, notes=notes)
+
+
 def _cache_by_microbatch(ctx: WorkspaceContext) -> CacheAction:
     """TE's rule: the cache is used only when the caller says where in the
     microbatch sequence it is, and never for a quantized parameter."""
@@ -277,11 +360,14 @@ class WorkspacePolicy(Policy):
     nothing explicitly. This is TE 2.20.2's behaviour, minus the waste
     listed in ``docs/decisions.md``.
 
-    Subclasses answer the four decisions through the same six methods, one
-    per chosen plan field (``cache_action``, ``forward_usage``,
-    ``parameter_keeps``, ``backward_source``, ``columnwise_source``,
-    ``release``); :meth:`plan` asks them in order. [Note: workspace
-    lifetime] in this module says which field answers which decision.
+    Subclasses answer the four decisions through the same seven methods,
+    one per chosen plan field (``workspace_origin``, ``cache_action``,
+    ``forward_usage``, ``parameter_keeps``, ``backward_source``,
+    ``columnwise_source``, ``release``); :meth:`plan` asks them in order.
+    Where ``workspace_origin`` is ``SHARD``, the other six are asked about
+    the call as the weight arrives from the all-gather, quantized.
+    [Note: workspace lifetime] in this module says which field answers
+    which decision.
     """
 
     # Not a ClassVar: Policy.shardings is per instance for a recompute wrapper.
@@ -304,7 +390,17 @@ class WorkspacePolicy(Policy):
                 f"RecomputeWorkspacePolicy(inner={type(self).__name__}()), or let select_policy choose."
             )
 
-    # -- the six methods, one per chosen plan field -------------------------
+    # -- the seven methods, one per chosen plan field -------------------------
+    def workspace_origin(self, ctx: WorkspaceContext) -> WorkspaceOrigin:
+        """Is the workspace made in the call, or from the FSDP2 shard before
+        the all-gather? In the call: the plain policy plans whole weights."""
+        return WorkspaceOrigin.CALL
+
+    def gather_refusal(self, ctx: WorkspaceContext) -> str | None:
+        """Why the workspace is made in the call where a quantized all-gather
+        is set up (the plan's notes say it); None where it is made from the shard."""
+        return f"{type(self).__name__} makes every workspace in the call"
+
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         """Is the workspace cached across calls, and refreshed this call?"""
         return _cache_by_microbatch(ctx)
@@ -343,14 +439,25 @@ def _require_context(policy: Policy, ctx: object) -> None:
 
 
 def _ask(policy: WorkspacePolicy, ctx: WorkspaceContext) -> WorkspacePlan:
-    """Call a policy's six methods about one call, in order, and assemble the plan."""
+    """Call a policy's seven methods about one call, in order, and assemble
+    the plan; a workspace made from the shard is planned as the weight
+    arrives from the all-gather (:func:`_from_the_shard`)."""
+    if policy.workspace_origin(ctx) is WorkspaceOrigin.SHARD:
+        return _from_the_shard(ctx, _ask_in_call(policy, _arrived(ctx), None))
+    refusal = policy.gather_refusal(ctx) if ctx.shard_gather is not ShardGather.NONE else None
+    return _ask_in_call(policy, ctx, refusal)
+
+
+def _ask_in_call(policy: WorkspacePolicy, ctx: WorkspaceContext, refusal: str | None) -> WorkspacePlan:
+    """The six methods besides ``workspace_origin``, for a workspace the
+    call makes (or, for :func:`_from_the_shard`, receives)."""
     cache = policy.cache_action(ctx)
     forward = policy.forward_usage(ctx, cache)
     source = policy.backward_source(ctx, cache)
     columnwise = policy.columnwise_source(ctx, source, forward)
     release = policy.release(ctx, cache)
     keeps = policy.parameter_keeps(ctx) if ctx.is_quantized_param else Usage.NONE
-    return _assemble(ctx, cache, forward, source, columnwise, release, keeps)
+    return _assemble(ctx, cache, forward, source, columnwise, release, keeps, refusal)
 
 
 def _columnwise_for(
@@ -409,14 +516,44 @@ class FSDP2WorkspacePolicy(WorkspacePolicy):
     microbatch again. Trade-off: one quantized copy per weight held for the
     whole step, for fewer quantizations; off by default because no
     step-time gain has been measured (docs/decisions.md, D4).
+
+    Option ``quantized_gather`` (:class:`QuantizedGather`, default ``AUTO``):
+    where a binding has set up a quantized all-gather for the weight
+    (``ctx.shard_gather``), the workspace is made from the shard before the
+    all-gather (``WorkspaceOrigin.SHARD``) by this rule: at world size > 1
+    with ``AUTO``, at any world size with ``ON``, never with ``OFF``; and
+    only where :func:`shard_gather_refusal` finds nothing against it (current
+    scaling and 2D block scaling; delayed scaling, MXFP8, NVFP4 and 1D blocks
+    fall back to the call, their plans' notes say why). Keeps alive: the
+    quantized shard (1 byte per parameter per rank, plus its scales) from the
+    optimizer step to the next write of the weight. Every forward and
+    backward, of every microbatch, then quantizes nothing; the all-gather
+    sends half the bytes of bf16; dgrad's columnwise data is derived after
+    the gather and cleared after backward. Trade-off: that held shard, for
+    the quantizations and half the gathered bytes (docs/decisions.md, D13,
+    says what is measured).
     """
 
     shardings = frozenset({Sharding.FSDP2_RESHARD, Sharding.FSDP2_KEEP})
     label: ClassVar[str] = "fsdp2"
     microbatch_cache: MicrobatchCache = MicrobatchCache.OFF
+    quantized_gather: QuantizedGather = QuantizedGather.AUTO
 
     def __post_init__(self) -> None:
         _require_option(self, "microbatch_cache", self.microbatch_cache, MicrobatchCache)
+        _require_option(self, "quantized_gather", self.quantized_gather, QuantizedGather)
+
+    def workspace_origin(self, ctx: WorkspaceContext) -> WorkspaceOrigin:
+        return WorkspaceOrigin.CALL if self.gather_refusal(ctx) else WorkspaceOrigin.SHARD
+
+    def gather_refusal(self, ctx: WorkspaceContext) -> str | None:
+        if self.quantized_gather is QuantizedGather.OFF:
+            return "QuantizedGather.OFF makes every workspace in the call, as TE does"
+        refusal = shard_gather_refusal(ctx)
+        if refusal is None and self.quantized_gather is QuantizedGather.AUTO and ctx.shard_gather is ShardGather.ONE_RANK:
+            return ("one rank: the all-gather moves no bytes, and a shard held for the step would buy only later "
+                    "microbatches' quantizations; QuantizedGather.ON makes it")
+        return refusal
 
     def cache_action(self, ctx: WorkspaceContext) -> CacheAction:
         if self.microbatch_cache is MicrobatchCache.OFF:
@@ -671,6 +808,11 @@ def recompute_pass_plan(ctx: WorkspaceContext, inner_plan: WorkspacePlan, recomp
             "recompute_pass_plan plans recompute passes only; this call has recompute=RecomputePass.NONE. "
             "Plan it with the inner policy."
         )
+    if inner_plan.workspace_origin is WorkspaceOrigin.SHARD:
+        # Every pass receives the workspace made from the shard, as it
+        # would receive a quantized parameter: plan the pass as that call.
+        as_call = replace(inner_plan, workspace_origin=WorkspaceOrigin.CALL)
+        return _from_the_shard(ctx, recompute_pass_plan(_arrived(ctx), as_call, recompute_copy))
     if ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled:
         # Non-reentrant checkpointing: backward runs this pass's autograd
         # nodes with the tensors the recompute pass saves, matched by
@@ -784,9 +926,10 @@ def _assemble(
     columnwise: ColumnwiseSource,
     release: Release,
     keeps: Usage,
+    gather_refusal: str | None = None,
 ) -> WorkspacePlan:
     usage = backward_usage(ctx, source)
-    notes = plan_notes(ctx, cache, forward, source, columnwise, release, keeps)
+    notes = plan_notes(ctx, cache, forward, source, columnwise, release, keeps, gather_refusal=gather_refusal)
     return WorkspacePlan(
         cache=cache,
         forward_usage=forward,

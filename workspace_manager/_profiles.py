@@ -4,7 +4,8 @@ The facts come from TE 2.20.2's tensor storage classes (``update_usage`` and
 ``_create_transpose`` / ``_create_columnwise`` in
 ``transformer_engine/pytorch/tensor/storage/*_tensor_storage.py``): which formats can derive
 columnwise data from rowwise data, which keep derived data in memory they
-allocate themselves, and which re-quantize exactly.
+allocate themselves, and which re-quantize exactly; and from the scales'
+definitions, which can quantize an FSDP2 shard to the whole weight's bytes.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ FLOAT8_DELAYED_SCALING = QuantizerCapabilities(
     name="float8_delayed_scaling", columnwise_derivable=True, derived_caches=True, requantization_safe=False
 )
 #: Float8CurrentScaling weights: per-tensor FP8, scale from the tensor itself.
+#: A shard quantizes exactly: its amax, MAX-reduced over the shard group, is
+#: the whole weight's (max is exact), and the scale is a function of it.
 FLOAT8_CURRENT_SCALING = QuantizerCapabilities(
-    name="float8_current_scaling", columnwise_derivable=True, derived_caches=True, requantization_safe=True
+    name="float8_current_scaling", columnwise_derivable=True, derived_caches=True, requantization_safe=True,
+    shard_quantization_exact=True,
 )
 #: Float8BlockScaling weights (128x128 blocks, TE's default for weights):
-#: columnwise blocks are a local transpose of the rowwise blocks.
+#: columnwise blocks are a local transpose of the rowwise blocks. A shard
+#: quantizes exactly: the grid of block amaxes (zero where the shard has no
+#: rows), MAX-reduced, is the whole weight's, wherever shard boundaries cut blocks.
 FLOAT8_BLOCK_2D = QuantizerCapabilities(
-    name="float8_block_2d", columnwise_derivable=True, derived_caches=True, requantization_safe=True
+    name="float8_block_2d", columnwise_derivable=True, derived_caches=True, requantization_safe=True,
+    shard_quantization_exact=True,
 )
 #: Float8BlockScaling with ``w_block_scaling_dim=1``: each direction has its
 #: own 1x128 scales and must be quantized from high precision.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import difflib
 
 from ._context import RecomputePass, WorkspaceContext
-from ._errors import ContextTypeError, UnknownPolicyError
-from ._plan import WorkspacePlan
+from ._errors import ContextTypeError, InvalidPlanError, UnknownPolicyError
+from ._plan import WorkspaceOrigin, WorkspacePlan
 from ._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
@@ -22,7 +22,9 @@ from ._policy import (
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
+    QuantizedGather,
     base_policy_for,
+    shard_gather_refusal,
 )
 
 __all__ = ["select_policy", "resolve_policy", "plan_call", "named_policy", "POLICY_NAMES"]
@@ -41,6 +43,7 @@ _NAMED: dict[str, Policy] = {
     "fsdp2_microbatch_cache": FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS),
     "fsdp2_recompute_build_once": RecomputeWorkspacePolicy(
         inner=FSDP2WorkspacePolicy(), recompute_copy=RecomputeCopy.BUILD_ONCE),
+    "fsdp2_quantized_gather_on": FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.ON),
 }
 
 #: The names :func:`named_policy` knows, in the order ``explain`` shows them.
@@ -111,5 +114,18 @@ def plan_call(ctx: WorkspaceContext, pinned: Policy | None = None) -> WorkspaceP
     says why that key is not a WorkspaceContext). A policy is frozen and
     pure, so its plan depends on ``ctx`` alone and may be kept for every
     later call of the same description. Errors are raised on every call.
+
+    A plan that makes the workspace from the shard where that cannot be
+    done, or not exactly (``shard_gather_refusal``), raises
+    :class:`InvalidPlanError` naming why: a policy of one's own may return one.
     """
-    return resolve_policy(ctx, pinned).plan(ctx)
+    policy = resolve_policy(ctx, pinned)
+    plan = policy.plan(ctx)
+    if plan.workspace_origin is WorkspaceOrigin.SHARD:
+        refusal = shard_gather_refusal(ctx)
+        if refusal is not None:
+            raise InvalidPlanError(
+                f"{policy!r} makes the workspace from the shard (workspace_origin=shard), but {refusal}. "
+                "Plan workspace_origin=WorkspaceOrigin.CALL for this call."
+            )
+    return plan

@@ -48,13 +48,15 @@ class PolicySummary:
     """A shipped policy in short cells: what it is ``for`` (``use``), what
     it keeps, what it trades. ``option`` names the entry of
     :data:`DECISIONS_DOC` of an option that is off by default (None: a
-    default, or a policy only ever pinned)."""
+    default, or a policy only ever pinned); ``entry`` the entry of a
+    difference from TE that is not an option off by default."""
 
     name: str
     use: str
     keeps: str
     trade_off: str
     option: str | None = None
+    entry: str | None = None
 
     @property
     def construct(self) -> str:
@@ -66,6 +68,8 @@ class PolicySummary:
         use = self.use
         if self.option is not None:
             use += f"; option, off by default ({DECISIONS_DOC}, {self.option.split('-')[0]})"
+        if self.entry is not None:
+            use += f" ({DECISIONS_DOC}, {self.entry.split('-')[0]})"
         cells = (("for", use), ("keeps", self.keeps), ("trade-off", self.trade_off))
         return tuple((label, text.replace("`", "")) for label, text in cells)
 
@@ -74,6 +78,8 @@ class PolicySummary:
         use = self.use
         if self.option is not None:
             use += f"; option ([{self.option.split('-')[0]}]({DECISIONS_DOC}#{self.option.lower()}))"
+        if self.entry is not None:
+            use += f" ([{self.entry.split('-')[0]}]({DECISIONS_DOC}#{self.entry.lower()}))"
         cells = (f"`{self.name}`", use, self.keeps, self.trade_off)
         return "| " + " | ".join(cells) + " |"
 
@@ -88,8 +94,9 @@ _SUMMARIES = (
     PolicySummary(
         "fsdp2",
         use="weights sharded by FSDP2's `fully_shard`",
-        keeps="nothing past the GEMM; derived columnwise data freed after backward",
+        keeps="nothing past the GEMM; with a quantized gather, the shard per step",
         trade_off="TE's: backward quantizes the gathered weight again (per microbatch)",
+        entry="D13-fsdp2-the-workspace-follows-the-shard",
     ),
     PolicySummary(
         "recompute",
@@ -134,6 +141,13 @@ _SUMMARIES = (
         keeps="the recompute pass's columnwise copy, until that layer's backward",
         trade_off="more peak memory (measured in the option's entry) buys that backward's quantization",
         option="D3-option-recompute-pass-builds-once",
+    ),
+    PolicySummary(
+        "fsdp2_quantized_gather_on",
+        use="`fully_shard`-ed weights with a quantized gather, one GPU too; only pinned",
+        keeps="the quantized shard (1 byte per parameter per rank) for the step",
+        trade_off="that shard buys every call's quantization and half the gathered bytes",
+        entry="D13-fsdp2-the-workspace-follows-the-shard",
     ),
 )
 

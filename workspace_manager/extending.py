@@ -21,6 +21,9 @@ that:
   manages (:func:`fsdp2_parameters`, each an :class:`FSDP2Parameter`: the
   sharded parameter an optimizer holds and the unsharded one a module
   computes with; :func:`fsdp2_gathered_parameters`);
+- why a weight's workspace cannot be made from its FSDP2 shard bit for bit
+  as TE makes it in the call (:func:`shard_gather_refusal`), which a
+  binding asks before it sets up a quantized all-gather;
 - the one wording of the install hint messages give (:func:`install_hint`);
 - a package's ``__getattr__`` and ``__dir__`` for public names that moved
   (:func:`moved_names`), as this package's and ``te_integration``'s use.
@@ -42,6 +45,7 @@ from ._fsdp2 import (
 )
 from ._hints import install_hint
 from ._moved import moved_names
+from ._policy import shard_gather_refusal
 from ._profiles import PROFILES, TE_QUANTIZER_PROFILES
 from ._quantizer_registry import ENTRY_POINT_GROUP, QuantizerRegistry, default_registry, quantizer_capabilities
 
@@ -66,6 +70,8 @@ __all__ = [
     "fsdp2_gathered_parameters",
     "fsdp2_parameters",
     "FSDP2Parameter",
+    # the quantized all-gather's exactness
+    "shard_gather_refusal",
     # the install hint, and names that moved
     "install_hint",
     "moved_names",

@@ -34,6 +34,7 @@ import torch
 from workspace_manager import Usage
 from workspace_manager.attribution import workspace_kind, WorkspaceKind, WorkspaceLedger, WorkspaceReport
 from workspace_manager.extending import detect_fsdp2_sharding, fsdp2_parameters
+from workspace_manager.gather import ShardGatherWeight
 
 from ..te import _compat as te
 from ._argument_checks import expect_bool, expect_module
@@ -150,6 +151,9 @@ def inspect_module(module: Any, ledger: WorkspaceLedger, name: str, records: lis
 def _record_parameter(ledger: WorkspaceLedger, module: Any, name: str, pname: str, param: Any,
                       fsdp2: bool | None = None) -> None:
     local = getattr(param, "_local_tensor", param)
+    if isinstance(local, ShardGatherWeight):
+        _record_quantized_shard(ledger, module, name, pname, local)
+        return
     if not isinstance(local, te.QuantizedTensorStorage):
         return
     plan = _plan_of(module, pname) or _parameter_plan(module, local)
@@ -159,6 +163,15 @@ def _record_parameter(ledger: WorkspaceLedger, module: Any, name: str, pname: st
         return
     _record_unsharded(ledger, module, name, pname, plan, local,
                       fsdp2=_sharding(module).is_fsdp2 if fsdp2 is None else fsdp2)
+
+
+def _record_quantized_shard(ledger: WorkspaceLedger, module: Any, name: str, pname: str, local: Any) -> None:
+    """The quantized shard a high-precision shard's all-gather sends (D13), while it is held."""
+    shard = local._link.shard
+    if shard is not None:
+        ledger.record(module, name, pname, WorkspaceKind.QUANTIZED_SHARD, _plan_of(module, pname), shard,
+                      usage=Usage.ROWWISE, sharded=True,
+                      decision="made from the shard at the optimizer step; its all-gather sends it (D13)")
 
 
 def _record_unsharded(ledger: WorkspaceLedger, module: Any, name: str, pname: str, plan: Any, tensor: Any, *,

@@ -5,8 +5,9 @@ FSDP2 state below it; the binding keeps one :class:`ModelWorkspaceState` per
 model, pointed at by every drop-in's
 :class:`~te_integration.runtime._state.ModuleWorkspaceState`. It holds what
 belongs to the model rather than to one module: its drop-ins, the cache
-entries they marked for release at the model's next optimizer step, and, at
-each step, which of its drop-ins the step wrote. What belongs to one module
+entries they marked for release at the model's next optimizer step, at
+each step which of its drop-ins the step wrote, and the quantized shards of
+its quantized FSDP2 all-gather (``_gather``), where one is set up. What belongs to one module
 (its plans, the clock its copies are stamped with) stays in that module's state.
 
 Which model a drop-in belongs to is decided as FSDP2 decides its root: the
@@ -31,8 +32,8 @@ import torch
 
 from ._step_hook import Step, step_task
 
-__all__ = ["ModelWorkspaceState", "model_state", "model_for_root", "live_models", "written_drop_ins",
-           "release_step_caches"]
+__all__ = ["ModelWorkspaceState", "model_state", "model_for_root", "live_models", "gather_states",
+           "written_drop_ins", "release_step_caches"]
 
 #: Every live model state (the step hook walks them) ...
 _MODELS: weakref.WeakSet = weakref.WeakSet()
@@ -44,7 +45,7 @@ _LOCK = threading.Lock()
 class ModelWorkspaceState:
     """The workspace state of one model (see the module docstring)."""
 
-    __slots__ = ("_root", "_members", "_pending", "__weakref__")
+    __slots__ = ("_root", "_members", "_pending", "gather", "__weakref__")
 
     def __init__(self, root: Any) -> None:
         self._root = weakref.ref(root)
@@ -52,6 +53,9 @@ class ModelWorkspaceState:
         self._members: weakref.WeakSet = weakref.WeakSet()
         #: drop-in -> cache keys to drop at the model's next optimizer step.
         self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: The model's quantized shards (``workspace_manager.gather.ShardGatherState``),
+        #: where ``enable_quantized_gather`` set its quantized all-gather up; else None.
+        self.gather: Any = None
 
     def __repr__(self) -> str:
         root = self._root()
@@ -131,6 +135,13 @@ def model_for_root(root: Any) -> ModelWorkspaceState:
 def live_models() -> list[ModelWorkspaceState]:
     """Every model state alive now."""
     return list(_MODELS)
+
+
+def gather_states(model: Any) -> list:
+    """The quantized-shard states (``ModelWorkspaceState.gather``) of the
+    models whose root is ``model`` or one of its submodules."""
+    modules = {id(m) for m in model.modules()}
+    return [state.gather for state in live_models() if state.gather is not None and id(state.root) in modules]
 
 
 def written_drop_ins(step: Step) -> tuple[tuple[ModelWorkspaceState, tuple], ...]:

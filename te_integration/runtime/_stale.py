@@ -38,6 +38,7 @@ from workspace_manager.extending import fsdp2_gathered_parameters
 from ._argument_checks import expect_module
 from ._attribution import te_modules
 from ._freshness import HeldCopy, copy_nbytes, held_copies, is_per_tensor, release_module, version_of
+from ._model import gather_states
 
 __all__ = ["StaleKind", "StaleCopy", "StaleWorkspaceError", "stale_workspaces", "release_workspaces",
            "transpose_matches", "as_kernels_read"]
@@ -53,6 +54,9 @@ class StaleKind(enum.Enum):
     OUTLIVES_RESHARD = "outlives_reshard"
     #: A cached workspace made from older weights than the current ones.
     CACHE_OLDER_THAN_WEIGHT = "cache_older_than_weight"
+    #: A quantized FSDP2 shard (D13) made before its weight's latest write:
+    #: no GEMM reads it, since the next all-gather makes it again first.
+    SHARD_OLDER_THAN_WEIGHT = "shard_older_than_weight"
 
 
 @dataclass(frozen=True)
@@ -198,14 +202,24 @@ def stale_workspaces(model: torch.nn.Module) -> list[StaleCopy]:
             why = _why_stale(copy)
             if why is not None:
                 found.append(StaleCopy(path, copy.weight, why[0], copy_nbytes(copy), why[1]))
-    return found
+    return found + _stale_shards(model)
+
+
+def _stale_shards(model: torch.nn.Module) -> list[StaleCopy]:
+    """The quantized FSDP2 shards (D13) made before their weight's latest
+    write outside an optimizer step (a step makes them again at once)."""
+    return [StaleCopy("", name, StaleKind.SHARD_OLDER_THAN_WEIGHT, shard.nbytes,
+                      "written since it was made; the next all-gather makes it again before any GEMM reads it")
+            for gather in gather_states(model) for name, shard, current in gather.shards() if not current]
 
 
 def release_workspaces(model: torch.nn.Module) -> int:
     """Free every quantized weight copy ``model``'s TE modules hold, drop-in
     and stock alike: cached workspaces, the derived FP8 transposes of
-    quantized parameters, and those of the unsharded parameters FSDP2 keeps
-    between all-gathers. Returns the bytes released (storages whose last
+    quantized parameters, those of the unsharded parameters FSDP2 keeps
+    between all-gathers, and the quantized shards of a quantized all-gather
+    (``enable_quantized_gather``: call it on every rank then, since the next
+    all-gather makes each shard again with a collective). Returns the bytes released (storages whose last
     reference this dropped are freed; the caching allocator keeps them for
     reuse until ``torch.cuda.empty_cache()``).
 
@@ -225,4 +239,6 @@ def release_workspaces(model: torch.nn.Module) -> int:
         if state is not None:
             state.note_written()
         released += release_module(module, gathered)
-    return released
+    # The quantized shards of a quantized all-gather: the next all-gather
+    # makes each again, with its own reduction (call this on every rank).
+    return released + sum(gather.release() for gather in gather_states(model))

@@ -42,8 +42,11 @@ __all__ = ["Step", "ORDER", "step_task", "ensure_hook"]
 #: count as old (their clock moves), the cache entries marked for release
 #: at the step are dropped, quantized parameters' transposes are made again
 #: from the data just written, sharded quantized parameters are trimmed
-#: again, and an active recording takes its timeline point.
-ORDER = ("weights_written", "step_caches", "parameter_transposes", "shard_trim", "recording_point")
+#: again, the quantized shards of a quantized all-gather are made again from
+#: the shards just written (``_gather``), and an active recording takes its
+#: timeline point.
+ORDER = ("weights_written", "step_caches", "parameter_transposes", "shard_trim", "quantized_shards",
+         "recording_point")
 
 _TASKS: dict[str, Callable[[Step], None]] = {}
 _LOCK = threading.Lock()

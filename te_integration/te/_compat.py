@@ -131,6 +131,15 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_GL, "quantize_weight"), Seam(_GL, "prepare_for_saving", "prepare_for_saving"),
     Seam(_GL, "restore_from_func_ctx", "restore_from_func_ctx"),
     Seam(_GL, "GroupedTensorStorage", "GroupedTensorStorage"), Seam(_GL, "tex", "tex"),
+    # The quantized FSDP2 all-gather (D13): the shard's amax, the scale from it,
+    # the scaled cast, and the FP8 weight TE's modules receive.
+    Seam(_GL, "tex.compute_amax"), Seam(_GL, "tex.multi_tensor_compute_scale_and_scale_inv"),
+    Seam(f"{_PT}.optimizers.multi_tensor_apply", "multi_tensor_applier", "multi_tensor_applier"),
+    Seam(f"{_PT}.tensor.float8_tensor", "Float8Tensor", "Float8Tensor"),
+    Seam(f"{_PT}.tensor.float8_tensor", "Float8Quantizer", "Float8Quantizer"),
+    Seam(f"{_PT}.tensor.float8_tensor", "Float8CurrentScalingQuantizer", "Float8CurrentScalingQuantizer"),
+    Seam(f"{_PT}.quantization", "get_fp8_te_dtype", "get_fp8_te_dtype"),
+    Seam(f"{_PT}.constants", "DType", "TE_DType"),
     # The per-expert storages a grouped quantization is split into (``split_experts``).
     Seam(f"{_PT}.tensor.storage.float8_tensor_storage", "Float8TensorStorage", "Float8TensorStorage"),
     Seam(f"{_PT}.tensor.storage.float8_blockwise_tensor_storage", "Float8BlockwiseQTensorStorage",
@@ -245,6 +254,12 @@ no_torch_dynamo = _found["no_torch_dynamo"]
 FP8GlobalStateManager = _found["FP8GlobalStateManager"]
 QuantizedTensorStorage = _found["QuantizedTensorStorage"]
 clear_columnwise_cache = _found["clear_columnwise_cache"]
+multi_tensor_applier = _found["multi_tensor_applier"]
+Float8Tensor = _found["Float8Tensor"]
+Float8Quantizer = _found["Float8Quantizer"]
+Float8CurrentScalingQuantizer = _found["Float8CurrentScalingQuantizer"]
+get_fp8_te_dtype = _found["get_fp8_te_dtype"]
+TE_DType = _found["TE_DType"]
 del _found
 
 #: ``(module file, name)`` of the GEMM functions the module kinds call: what
@@ -395,3 +410,79 @@ def _block_scales(grouped, quantizer, count: int, shape: tuple) -> tuple | None:
         except RuntimeError:  # a block of another size than the expert's scales
             return None
     return tuple(pairs)
+
+
+# -- the quantized FSDP2 all-gather (docs/decisions.md, D13) -------------------------------
+#: The largest finite value of each FP8 format, as TE's FP8-weight casts use it (``tensor/utils.py``).
+_FP8_MAX = {TE_DType.kFloat8E4M3: 448.0, TE_DType.kFloat8E5M2: 57344.0}
+
+
+def weight_quantizer_of(recipe) -> object | None:
+    """The weight quantizer TE's modules make for ``recipe`` where it is a
+    ``Float8CurrentScaling`` recipe (``Float8CurrentScalingRecipeState``, with
+    the weight's power-of-2 and epsilon settings the modules set from
+    ``recipe.fp8_quant_fwd_weight``); None for any other recipe."""
+    current = getattr(recipe, "float8_current_scaling", None)
+    if current is None or not current():
+        return None
+    import torch
+
+    settings = recipe.fp8_quant_fwd_weight
+    return Float8CurrentScalingQuantizer(get_fp8_te_dtype(recipe, True), torch.device("cuda"),
+                                         force_pow_2_scales=settings.power_2_scale,
+                                         amax_epsilon=settings.amax_epsilon)
+
+
+def shard_amax(shard):
+    """The amax of ``shard`` as TE's current scaling computes it
+    (``tex.compute_amax``), a float32 tensor of one element; 0 for a rank
+    whose shard has no rows."""
+    import torch
+
+    amax = torch.zeros(1, dtype=torch.float32, device=shard.device)
+    if shard.numel():
+        tex.compute_amax(shard.contiguous(), amax)
+    return amax
+
+
+def cast_with_amax(shard, amax, quantizer):
+    """``(uint8 data, scale_inv)`` of ``shard`` cast to FP8 with the scale of
+    the (reduced) ``amax``: the scale and its inverse from TE's kernel
+    (``multi_tensor_compute_scale_and_scale_inv``, with ``quantizer``'s FP8
+    format, power-of-2 and epsilon settings), then TE's scaled cast, as TE
+    casts FP8 master weights (``tensor/utils.py``,
+    ``_cast_master_weights_to_fp8_current_scaling``)."""
+    import torch
+
+    scale = torch.empty(1, dtype=torch.float32, device=shard.device)
+    scale_inv = torch.empty_like(scale)
+    overflow = torch.zeros(1, dtype=torch.int, device=shard.device)
+    multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv, overflow,
+                         [[amax.reshape(1)], [scale], [scale_inv]], _FP8_MAX[quantizer.dtype],
+                         quantizer.force_pow_2_scales, quantizer.amax_epsilon)
+    data = torch.empty(shard.shape, dtype=torch.uint8, device=shard.device)
+    if shard.numel():
+        cast = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=quantizer.dtype, rowwise=True,
+                               columnwise=False)
+        cast.update_quantized(shard.contiguous(), cast.create_tensor_from_data(data, fake_dtype=shard.dtype))
+    return data, scale_inv
+
+
+def float8_weight(data, scale_inv, dtype, quantizer):
+    """The FP8 weight TE's modules compute with, over gathered ``data``:
+    ``Float8Tensor`` with a copy of the recipe's weight quantizer, rowwise
+    usage only (TE's backward derives the transpose where dgrad reads it)."""
+    own = quantizer.copy()
+    own.set_usage(rowwise=True, columnwise=False)
+    own.internal = False
+    return Float8Tensor(shape=data.shape, dtype=dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=own.dtype,
+                        requires_grad=False, data_transpose=None, quantizer=own, device=data.device)
+
+
+def refill_float8_weight(out, data, scale_inv) -> None:
+    """Point the weight :func:`float8_weight` made at a new gather's bytes and
+    scale, dropping the transpose derived from the previous gather."""
+    out._data = data
+    out._transpose = None
+    out._transpose_invalid = True
+    out._scale_inv.copy_(scale_inv)

@@ -12,8 +12,6 @@ mismatch on any rank.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.distributed._ranks import report, run  # noqa: E402
 from workspace_manager._context import Sharding  # noqa: E402
 from workspace_manager._fsdp2 import detect_fsdp2_sharding  # noqa: E402
 
@@ -337,24 +336,8 @@ def main() -> int:
     rows.extend(outside_root_rows(mesh))
     rows.extend(toggle_rows(mesh))
     rows.extend(gathered_rows(mesh))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "skipped": skipped})
-    failed = sum(not row["passed"] for part in gathered for row in part["rows"])
-    if rank == 0:
-        report = {"torch": torch.__version__, "world_size": dist.get_world_size(), "ranks": gathered, "failed": failed}
-        Path(out_path).write_text(json.dumps(report, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if failed else 0
+    return report(Path(out_path), {"rank": rank, "rows": rows, "skipped": skipped})
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The report is written and the group destroyed. Leave without the
-    # interpreter's teardown: there, gloo's threads sometimes race and abort
-    # a rank ("terminate called without an active exception", seen 2 in 23
-    # CPU runs), which fails a run whose every row passed.
-    os._exit(code)
+    run(main)

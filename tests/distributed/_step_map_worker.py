@@ -10,10 +10,7 @@ clock (docs/decisions.md, D12). Writes ``{"ranks": [{"rank", "rows"}]}``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _pytest.monkeypatch import MonkeyPatch  # noqa: E402  (the stand-in's loader takes one)
 
 from _fake_te import TELinear, load_full_binding  # noqa: E402
+
+from tests.distributed._ranks import report, rows_of, run  # noqa: E402
 
 TI = load_full_binding(MonkeyPatch())
 
@@ -100,29 +99,13 @@ def main() -> int:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    rows: list[dict] = []
     cases = [lambda: steps_write_their_own_model(mesh, True, False),
              lambda: steps_write_their_own_model(mesh, False, False),
              lambda: steps_write_their_own_model(mesh, False, True),
              lambda: an_unplaceable_parameter_writes_every_model(mesh)]
-    for case in cases:
-        try:
-            rows.extend(case())
-        except Exception as exc:  # noqa: BLE001 - reported as a failed row
-            traceback.print_exc()
-            rows.append(_row("setup", "no error", None, f"{type(exc).__name__}: {exc}"))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "rows": rows})
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps({"world_size": dist.get_world_size(), "ranks": gathered}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    rows = rows_of(cases, lambda error: _row("setup", "no error", None, error))
+    return report(Path(out_path), {"rank": dist.get_rank(), "rows": rows})
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as _fsdp2_worker: gloo's threads may race in the interpreter's teardown
+    run(main)

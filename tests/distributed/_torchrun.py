@@ -1,4 +1,7 @@
-"""Run a CPU (gloo) torchrun worker of this folder from a test and read its JSON report."""
+"""Run a CPU (gloo) torchrun worker of this folder from a test and read its JSON report.
+
+Every worker takes one argument, the path of its report, and writes it with
+``_ranks.report`` (anything else it writes goes beside the report)."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(worker: str, result: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+def run_torchrun(worker: str, result: Path, nproc: int = 2, timeout_s: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     """torchrun of ``tests/distributed/<worker>`` in its own session, so a
     hang kills its workers too; the worker writes its report to ``result``."""
     cmd = [
@@ -49,19 +52,23 @@ def run_torchrun(worker: str, result: Path, nproc: int = 2) -> subprocess.Comple
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s; output:\n{out[-6000:]}")
+        pytest.fail(f"torchrun did not finish within {timeout_s} s; output:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def report_of(worker: str, result: Path, nproc: int = 2) -> dict:
-    """The worker's report; skips where gloo cannot run, fails where the worker wrote none."""
+def report_of(worker: str, result: Path, nproc: int = 2, timeout_s: int = TIMEOUT_S) -> dict:
+    """The worker's report; skips where gloo cannot run, fails where the worker
+    wrote none. The torchrun output is kept in the report as ``output``."""
     reason = gloo_unavailable()
     if reason:
         pytest.skip(reason)
-    proc = run_torchrun(worker, result, nproc)
+    proc = run_torchrun(worker, result, nproc, timeout_s)
     assert result.exists(), f"the worker wrote no result (rc={proc.returncode}); output:\n{proc.stdout[-6000:]}"
-    return json.loads(result.read_text())
+    report = json.loads(result.read_text())
+    report["output"] = proc.stdout[-6000:]
+    report["returncode"] = proc.returncode
+    return report

@@ -147,6 +147,9 @@ def general_gemm(a, b, layout: str = "TN", grad: bool = False, **kwargs) -> torc
     in the direction the layout needs, as cuBLAS reads it."""
     if layout == "NT":
         return b.t() @ a
+    if isinstance(a, QuantizedTensorStorage) and hasattr(a, "gemm_operand"):  # a gathered FP8 weight (_fake_te_gather)
+        a = a.gemm_operand(layout)
+        return b @ a.t() if layout == "TN" else b @ a
     if isinstance(a, Workspace):
         usage = "rowwise" if layout == "TN" else "columnwise"
         if not a.get_usages()[usage]:
@@ -452,9 +455,11 @@ def compat() -> dict[str, Any]:
     other = type("_Unused", (torch.nn.Module,), {"prepare_forward": TELinear.prepare_forward,
                                                   "end_forward": TELinear.end_forward})
     import _fake_te_grouped as grouped  # it imports this module
+    import _fake_te_gather as gather  # it imports this module
 
     return {
         **grouped.compat_entries(),
+        **gather.compat_entries(),
         "QuantizedTensorStorage": QuantizedTensorStorage,
         "TELinear": TELinear, "TELayerNormLinear": other, "TELayerNormMLP": mlp.TELayerNormMLP,
         "LinearFunction": LinearFunction, "LNLFunction": lnl_fn,
@@ -483,5 +488,6 @@ def load_full_binding(monkeypatch) -> SimpleNamespace:
     are installed into its files at the first drop-in call."""
     mods = load_binding(monkeypatch, compat(), "runtime._step_hook", "runtime._model", "runtime._attribution", "runtime._state",
                         "runtime._shards", "runtime._call", "runtime._kind_registry", "runtime._install", "runtime._modules",
-                        "runtime._construction", "kinds", "kinds.layernorm_mlp", "kinds.grouped_linear")
+                        "runtime._construction", "runtime._gather", "runtime._stale", "kinds", "kinds.layernorm_mlp",
+                        "kinds.grouped_linear")
     return SimpleNamespace(files=_FILES, **{name.rsplit(".", 1)[-1].lstrip("_"): m for name, m in mods.items()})

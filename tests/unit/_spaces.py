@@ -1,10 +1,10 @@
 """The finite spaces the policy tests enumerate instead of drawing from.
 
 Every field of a :class:`WorkspaceContext` is an enum or a bool, and of a
-quantizer's capabilities the plans read three booleans (the name is only
+quantizer's capabilities the plans read four booleans (the name is only
 printed, in notes). So the contexts a property of the plans must hold on
 are finitely many: every valid context (``valid_contexts``) with each
-capability set below, 1,152 per set. Checking a property on all of them
+capability set below, 1,728 per set. Checking a property on all of them
 takes seconds and cannot miss the one context a hundred drawn examples
 would, so the tests of plans loop over these instead of asking Hypothesis.
 """
@@ -19,14 +19,24 @@ from workspace_manager import QuantizerCapabilities, WorkspaceContext, Workspace
 from workspace_manager.extending import PROFILES
 from workspace_manager.testing.invariants import all_contexts, covering
 
-#: One capability set per combination of the three facts, under one
-#: invented name: every set planning can tell apart.
+#: One capability set per combination of the first three facts, under one
+#: invented name, none claiming ``shard_quantization_exact``...
 FLAG_SETS: tuple[QuantizerCapabilities, ...] = tuple(
     QuantizerCapabilities(name="fake_a", columnwise_derivable=a, derived_caches=b, requantization_safe=c)
     for a, b, c in itertools.product([False, True], repeat=3)
 )
-#: The TE profiles (whose names the notes print), then :data:`FLAG_SETS`.
-CAPABILITIES: tuple[QuantizerCapabilities, ...] = (*sorted(PROFILES.values(), key=lambda c: c.name), *FLAG_SETS)
+#: ... and each of them claiming it, under another: with :data:`FLAG_SETS`,
+#: every set planning can tell apart (the claim counts only where a
+#: quantized all-gather is set up, ``ShardGather``).
+SHARD_FLAG_SETS: tuple[QuantizerCapabilities, ...] = tuple(
+    QuantizerCapabilities(name="fake_s", columnwise_derivable=f.columnwise_derivable, derived_caches=f.derived_caches,
+                          requantization_safe=f.requantization_safe, shard_quantization_exact=True)
+    for f in FLAG_SETS
+)
+#: The TE profiles (whose names the notes print), then :data:`FLAG_SETS`
+#: and :data:`SHARD_FLAG_SETS`.
+CAPABILITIES: tuple[QuantizerCapabilities, ...] = (*sorted(PROFILES.values(), key=lambda c: c.name), *FLAG_SETS,
+                                                   *SHARD_FLAG_SETS)
 
 
 def every_context(capabilities: Iterable[QuantizerCapabilities] = CAPABILITIES) -> Iterator[WorkspaceContext]:

@@ -199,6 +199,27 @@ def _files() -> dict[str, str]:
                 @staticmethod
                 def get_fp8_recipe():
                     return None
+            def get_fp8_te_dtype(recipe, fprop_tensor=True):
+                return None
+        """,
+        "pytorch/constants.py": """
+            import enum
+            class DType(enum.IntEnum):
+                kFloat8E4M3 = 7
+                kFloat8E5M2 = 8
+        """,
+        "pytorch/optimizers/__init__.py": "",
+        "pytorch/optimizers/multi_tensor_apply.py": """
+            def multi_tensor_applier(op, noop_flag, tensor_lists, *args):
+                return op(noop_flag, tensor_lists, *args)
+        """,
+        "pytorch/tensor/float8_tensor.py": """
+            class Float8Tensor:
+                pass
+            class Float8Quantizer:
+                pass
+            class Float8CurrentScalingQuantizer:
+                pass
         """,
         "pytorch/quantized_tensor.py": """
             class QuantizedTensorStorage:
@@ -244,7 +265,13 @@ def _grouped_linear_source() -> str:
             from . import base as _base
             quantize_weight = getattr(_base, "quantize_weight", None)
             general_grouped_gemm = None
-            tex = None
+            class tex:
+                @staticmethod
+                def compute_amax(tensor, amax):
+                    return None
+                @staticmethod
+                def multi_tensor_compute_scale_and_scale_inv(*args):
+                    return None
             class GroupedTensorStorage:
                 def split_into_quantized_tensors(self, i=0, numel=0, quantizer=None, tensor_shape=None, math=None):
                     data_start = i * numel

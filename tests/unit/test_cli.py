@@ -35,7 +35,7 @@ def test_json_covers_every_policy_setting_and_recipe(capsys):
         assert needed in seen, needed
     one = rows[0]["plan"]
     assert set(one) == {"cache", "forward_usage", "backward_source", "backward_usage", "columnwise_source", "release",
-                        "parameter_keeps", "notes"}
+                        "parameter_keeps", "workspace_origin", "notes"}
     sharded_fp8 = [r for r in rows if r["policy"] == "fsdp2" and r["context"]["weight"] == "quantized_param"
                    and r["quantizer"] == "float8_current_scaling"]
     assert sharded_fp8 and {r["plan"]["parameter_keeps"] for r in sharded_fp8} == {"rowwise"}

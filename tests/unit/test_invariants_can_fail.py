@@ -22,10 +22,12 @@ from workspace_manager import (
     RecomputePass,
     RecomputeWorkspacePolicy,
     Release,
+    ShardGather,
     Sharding,
     Usage,
     WeightSource,
     WorkspaceContext,
+    WorkspaceOrigin,
     WorkspacePlan,
     WorkspacePolicy,
 )
@@ -50,6 +52,10 @@ REQUANTIZES = _plan(CacheAction.BYPASS, R, BackwardSource.REQUANTIZE, C, Columnw
 UNUSED_COLUMNWISE = _plan(CacheAction.BYPASS, B, BackwardSource.NONE, N, ColumnwiseSource.NOT_NEEDED)
 QP = dict(weight=WeightSource.QUANTIZED_PARAM)
 PLAIN = WorkspacePolicy()
+#: A quantized all-gather set up for an FSDP2 weight, and a workspace made from the shard.
+GATHERED = dict(sharding=Sharding.FSDP2_RESHARD, shard_gather=ShardGather.MANY_RANKS)
+FROM_THE_SHARD = WorkspacePlan(CacheAction.BYPASS, R, BackwardSource.SAVED_PARAMETER, C, ColumnwiseSource.DERIVED,
+                               Release.DERIVED_COLUMNWISE, workspace_origin=WorkspaceOrigin.SHARD)
 
 #: invariant -> (policy, context, plan, what the message says)
 BAD_PLANS = {
@@ -95,6 +101,11 @@ BAD_PLANS = {
                                                ColumnwiseSource.NOT_NEEDED, Release.CACHED_WORKSPACE),
         "no-grad call plans"),
     inv.unsafe_requantization_is_noted: (PLAIN, _ctx(FLOAT8_DELAYED_SCALING), REQUANTIZES, "without a note"),
+    inv.a_workspace_is_made_from_the_shard_only_where_that_is_exact: (
+        FSDP2WorkspacePolicy(), _ctx(FLOAT8_DELAYED_SCALING, **GATHERED), FROM_THE_SHARD,
+        "makes the workspace from the shard, but float8_delayed_scaling does not quantize a shard"),
+    inv.a_quantized_gather_set_up_but_not_used_is_noted: (
+        FSDP2WorkspacePolicy(), _ctx(**GATHERED), REQUANTIZES, "made in the call, unexplained"),
 }
 
 

@@ -143,6 +143,6 @@ def test_the_invariant_suite_lists_it_and_exempts_only_its_exact_copies():
 
 
 def test_every_plan_invariant_holds_on_every_fsdp2_context():
-    # the two FSDP2 shardings: half of each profile's valid contexts
-    per_profile = len(list(inv.all_contexts(RECIPE_PROFILES["DelayedScaling"]))) // 2
+    # the contexts of the two FSDP2 shardings, with and without a quantized all-gather set up
+    per_profile = sum(c.sharding.is_fsdp2 for c in inv.all_contexts(RECIPE_PROFILES["DelayedScaling"]))
     assert inv.check_policy(KEEP, RECIPE_PROFILES.values()) == per_profile * len(RECIPE_PROFILES)

@@ -22,11 +22,13 @@ from workspace_manager import (
     KeepForBackwardWorkspacePolicy,
     Microbatch,
     MicrobatchCache,
+    QuantizedGather,
     RecomputeCopy,
     RecomputePass,
     RecomputeScope,
     RecomputeWorkspacePolicy,
     Release,
+    ShardGather,
     Sharding,
     Usage,
     WorkspaceContext,
@@ -35,6 +37,7 @@ from workspace_manager import (
     select_policy,
 )
 from workspace_manager._profiles import FLOAT8_CURRENT_SCALING, FLOAT8_DELAYED_SCALING
+from workspace_manager.extending import shard_gather_refusal
 from workspace_manager.testing.invariants import every_option_on
 
 CACHE = FSDP2WorkspacePolicy(microbatch_cache=MicrobatchCache.EXACT_FORMATS)
@@ -51,6 +54,8 @@ def test_the_options_are_public_enums_and_off_by_default():
     assert FSDP2.microbatch_cache is MicrobatchCache.OFF
     assert KeepForBackwardWorkspacePolicy().microbatch_cache is MicrobatchCache.OFF
     assert RecomputeWorkspacePolicy().recompute_copy is RecomputeCopy.AS_TE
+    # Not an option that is off: the rule of the FSDP2 policy (D13), with ON and OFF to force it.
+    assert FSDP2.quantized_gather is QuantizedGather.AUTO and "QuantizedGather" in wm.__all__
 
 
 @pytest.mark.parametrize("make", [
@@ -74,10 +79,17 @@ def test_policies_with_other_options_are_other_policies():
     assert plan_call(ctx, CACHE).cache is CacheAction.FILL
 
 
+def _made_from_the_shard(ctx: WorkspaceContext) -> bool:
+    """The default FSDP2 policy makes the workspace from the shard (D13):
+    no module cache then, whatever the options of the call in the call."""
+    return ctx.shard_gather is ShardGather.MANY_RANKS and shard_gather_refusal(ctx) is None
+
+
 def _caches(ctx: WorkspaceContext) -> bool:
     """The calls the microbatch cache option plans differently (D4)."""
     return (ctx.sharding is Sharding.FSDP2_KEEP and ctx.grad_enabled and ctx.capabilities.requantization_safe
-            and not ctx.is_quantized_param and ctx.microbatch is not Microbatch.NONE)
+            and not ctx.is_quantized_param and ctx.microbatch is not Microbatch.NONE
+            and not _made_from_the_shard(ctx))
 
 
 def test_the_microbatch_cache_changes_only_the_calls_it_caches():
@@ -110,7 +122,7 @@ def _builds_once(ctx: WorkspaceContext) -> bool:
         ctx.recompute is RecomputePass.FIRST and ctx.grad_enabled)
     return (pass_with_backward and ctx.recompute_scope is RecomputeScope.REGION and ctx.sharding.is_fsdp2
             and ctx.capabilities.requantization_safe and not ctx.is_quantized_param and ctx.input_requires_grad
-            and ctx.backward_override is not wm.BackwardOverride.HIGH_PRECISION)
+            and ctx.backward_override is not wm.BackwardOverride.HIGH_PRECISION and not _made_from_the_shard(ctx))
 
 
 def test_building_once_changes_only_the_region_passes_of_exact_formats():
@@ -141,9 +153,10 @@ def test_building_once_leaves_whole_weights_and_a_modules_own_recompute_alone():
         assert {p.backward_source for p in plans.values()} == {BackwardSource.SAVED_WORKSPACE}, sharding
 
 
-def test_every_option_on_pins_both_options_for_a_sharding():
+def test_every_option_on_pins_every_option_for_a_sharding():
     policy = every_option_on(Sharding.FSDP2_KEEP)
-    assert policy == RecomputeWorkspacePolicy(inner=CACHE, recompute_copy=RecomputeCopy.BUILD_ONCE)
+    inner = replace(CACHE, quantized_gather=QuantizedGather.ON)
+    assert policy == RecomputeWorkspacePolicy(inner=inner, recompute_copy=RecomputeCopy.BUILD_ONCE)
     assert every_option_on(Sharding.NONE).inner == WorkspacePolicy()
     ctx = WorkspaceContext(capabilities=FLOAT8_DELAYED_SCALING, sharding=Sharding.FSDP2_KEEP,
                            microbatch=Microbatch.FIRST)

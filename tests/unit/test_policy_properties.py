@@ -99,6 +99,14 @@ def test_plans_that_requantize_an_unsafe_format_say_so():
     _check(inv.unsafe_requantization_is_noted)
 
 
+def test_a_workspace_is_made_from_the_shard_only_where_that_is_exact():
+    _check(inv.a_workspace_is_made_from_the_shard_only_where_that_is_exact)
+
+
+def test_a_quantized_gather_set_up_but_not_used_is_noted():
+    _check(inv.a_quantized_gather_set_up_but_not_used_is_noted)
+
+
 def test_inference_has_no_backward():
     """For the policy select_policy picks (the others are checked above, with the plan invariants)."""
     def check(ctx, plan):

@@ -5,6 +5,9 @@ policy sees it again: 18 contexts for a recompute pass, 21 for a
 non-reentrant first pass. Now ``plan`` derives it once: the call without its
 pass, plus, at most, the step's real forward (a reentrant first pass runs
 without grad) or the recompute pass that a non-reentrant first pass replays.
+Where the workspace is made from the FSDP2 shard (``WorkspaceOrigin.SHARD``),
+the call as the weight arrives from the all-gather is derived too, once for
+the inner policy's plan and once for the pass's: two more at most.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from workspace_manager import (
     RecomputeWorkspacePolicy,
     Sharding,
     WorkspaceContext,
+    WorkspaceOrigin,
     WorkspacePolicy,
     plan_call,
     select_policy,
@@ -24,8 +28,10 @@ from workspace_manager import (
 from workspace_manager.extending import PROFILES
 from workspace_manager._context import valid_contexts
 
-#: Contexts one ``plan`` of a recompute call may build.
+#: Contexts one ``plan`` of a recompute call may build ...
 MAX_PER_PLAN = 2
+#: ... and of one whose workspace is made from the shard.
+MAX_FROM_THE_SHARD = MAX_PER_PLAN + 2
 
 
 @pytest.fixture
@@ -59,7 +65,10 @@ def test_planning_a_recompute_call_builds_at_most_two_contexts(built):
         policy = select_policy(ctx)
         assert isinstance(policy, RecomputeWorkspacePolicy)
         built[0] = 0
-        policy.plan(ctx)
+        plan = policy.plan(ctx)
+        if plan.workspace_origin is WorkspaceOrigin.SHARD:
+            assert built[0] <= MAX_FROM_THE_SHARD, ctx
+            continue
         key = (ctx.recompute, ctx.grad_enabled)
         worst[key] = max(worst.get(key, 0), built[0])
     assert worst, "no recompute context was planned"
@@ -84,5 +93,5 @@ def test_the_bindings_path_builds_at_most_two_beyond_the_call(built):
         if ctx.sharding not in pinned.shardings:
             continue
         built[0] = 0
-        plan_call(ctx, pinned)
-        assert built[0] <= MAX_PER_PLAN, ctx
+        plan = plan_call(ctx, pinned)
+        assert built[0] <= (MAX_FROM_THE_SHARD if plan.workspace_origin is WorkspaceOrigin.SHARD else MAX_PER_PLAN), ctx

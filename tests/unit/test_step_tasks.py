@@ -14,8 +14,10 @@ from _fake_te import compat
 
 #: Two import orders of the modules that register step tasks.
 ORDERS = (
-    ("runtime._step_hook", "runtime._model", "runtime._freshness", "runtime._shards", "runtime._attribution"),
-    ("runtime._attribution", "runtime._shards", "runtime._freshness", "runtime._model", "runtime._step_hook"),
+    ("runtime._step_hook", "runtime._model", "runtime._freshness", "runtime._shards", "runtime._gather",
+     "runtime._attribution"),
+    ("runtime._attribution", "runtime._gather", "runtime._shards", "runtime._freshness", "runtime._model",
+     "runtime._step_hook"),
 )
 
 

@@ -13,6 +13,11 @@ The shipped policies' options (``MicrobatchCache``, ``RecomputeCopy``) are
 off by default. The comparison runs once per combination of options; an
 entry that names an option explains differences only where that option is
 on, so the default must agree with TE wherever only an option differs.
+
+A high-precision FSDP2 weight is compared twice: as a binding describes it
+without a quantized all-gather, and with one set up over many ranks
+(``ShardGather.MANY_RANKS``), against TE's decisions for the same case (TE
+gathers such a weight in bf16): there D13 explains what differs.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from workspace_manager import (
     RecomputeScope,
     RecomputeWorkspacePolicy,
     Release,
+    ShardGather,
     Sharding,
     Usage,
     WeightSource,
     WorkspaceContext,
+    WorkspaceOrigin,
     WorkspacePlan,
     WorkspacePolicy,
     resolve_policy,
@@ -93,12 +100,23 @@ def policy_for(ctx: WorkspaceContext, config: Config = DEFAULT) -> WorkspacePoli
     return resolve_policy(ctx, RecomputeWorkspacePolicy(inner=inner, recompute_copy=copy))
 
 
-def plan_for(case: ref.TECase, caps=FLOAT8_CURRENT_SCALING, config: Config = DEFAULT) -> WorkspacePlan:
-    ctx = context_for(case, caps)
+def plan_for(case: ref.TECase, caps=FLOAT8_CURRENT_SCALING, config: Config = DEFAULT,
+             gather: ShardGather = ShardGather.NONE) -> WorkspacePlan:
+    ctx = context_for(case, caps, gather)
     return policy_for(ctx, config).plan(ctx)
 
 
-def context_for(case: ref.TECase, capabilities=FLOAT8_CURRENT_SCALING) -> WorkspaceContext:
+def gathers_for(case: ref.TECase) -> tuple[ShardGather, ...]:
+    """The quantized all-gathers a binding may set up for the case's weight:
+    one over many ranks for a high-precision FSDP2 weight (TE has none; its
+    decisions for the case are those of the bf16 gather), else none."""
+    if case.sharding.startswith("fsdp2") and case.weight == "high_precision":
+        return (ShardGather.NONE, ShardGather.MANY_RANKS)
+    return (ShardGather.NONE,)
+
+
+def context_for(case: ref.TECase, capabilities=FLOAT8_CURRENT_SCALING,
+                gather: ShardGather = ShardGather.NONE) -> WorkspaceContext:
     """The context a binding builds for a TE call. The reference's
     LayerNormMLP recompute rows are the module's own checkpoint; the others
     are ``te.checkpoint`` regions."""
@@ -114,6 +132,7 @@ def context_for(case: ref.TECase, capabilities=FLOAT8_CURRENT_SCALING) -> Worksp
         weight=WeightSource(case.weight),
         microbatch=Microbatch(case.microbatch),
         backward_override=BackwardOverride(case.backward_override),
+        shard_gather=gather,
     )
 
 
@@ -272,6 +291,15 @@ DIFFERENCES: tuple[Difference, ...] = (
         frozenset({"saved_usages"}),
         _saves_columnwise_only,
     ),
+    Difference(
+        "D13-fsdp2-the-workspace-follows-the-shard",
+        frozenset({"saved", "rebuild", "clear", "saved_usages", "forward_columnwise"}),
+        # Made from the shard, the workspace arrives as the gathered
+        # parameter, rowwise data only (no pass builds columnwise data in
+        # forward): saved as it (FSDP2 refills it), never rebuilt, its
+        # derived columnwise data cleared after backward.
+        lambda case, plan: plan.workspace_origin is WorkspaceOrigin.SHARD,
+    ),
 )
 
 
@@ -281,9 +309,9 @@ def _compare(config: Config = DEFAULT) -> tuple[list[str], dict[str, list[tuple]
     unexplained: list[str] = []
     used: dict[str, list[tuple]] = defaultdict(list)
     available = [d for d in DIFFERENCES if d.available(config)]
-    for case in ref.ALL_CASES:
+    for case, gather in ((c, g) for c in ref.ALL_CASES for g in gathers_for(c)):
         for caps in FORMATS:
-            plan = plan_for(case, caps, config)
+            plan = plan_for(case, caps, config, gather)
             ours, theirs = our_decisions(case, plan), te_decisions(case, ref.te_decision(case))
             for field in theirs.keys() & ours.keys():
                 if ours[field] == theirs[field]:

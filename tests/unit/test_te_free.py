@@ -10,6 +10,7 @@ import sys
 sys.modules["transformer_engine"] = None  # any import of TE now raises ImportError
 import workspace_manager, workspace_manager.__main__, workspace_manager.testing
 import workspace_manager.testing.strategies, workspace_manager.testing.lifecycle, workspace_manager.testing.reference
+import workspace_manager.gather  # the quantized FSDP2 all-gather: torch only
 from workspace_manager import WorkspaceContext, select_policy, RECIPE_PROFILES
 for caps in RECIPE_PROFILES.values():
     select_policy(WorkspaceContext(capabilities=caps)).plan(WorkspaceContext(capabilities=caps))

@@ -59,6 +59,10 @@ class WorkspaceKind(enum.Enum):
     #: The rowwise data of a quantized parameter FSDP2 gathered: FSDP2's
     #: all-gather output, freed by FSDP2 when it reshards.
     GATHERED = "FSDP2 gathered"
+    #: A rank's quantized FSDP2 shard of a high-precision weight whose
+    #: all-gather sends it (docs/decisions.md, D13): made at the optimizer
+    #: step, held until the weight is written again.
+    QUANTIZED_SHARD = "quantized FSDP2 shard"
     #: Made by a module the manager does not plan (stock TE): seen, not planned.
     UNPLANNED = "unplanned"
 
@@ -105,6 +109,8 @@ def expected_lifetime(kind: WorkspaceKind, plan: WorkspacePlan | None, *, sharde
         return Lifetime.CALL
     if kind is WorkspaceKind.GATHERED:
         return Lifetime.FSDP2
+    if kind is WorkspaceKind.QUANTIZED_SHARD:
+        return Lifetime.KEPT  # made again at each step that writes the weight
     return _parameter_columnwise_lifetime(plan, sharded)
 
 

@@ -22,12 +22,13 @@ from .._context import (
     QuantizerCapabilities,
     RecomputePass,
     RecomputeScope,
+    ShardGather,
     Sharding,
     WeightSource,
     WorkspaceContext,
 )
 from .._errors import PolicyMismatchError
-from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
+from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspaceOrigin, WorkspacePlan
 from .._policy import (
     DistributedWeightWorkspacePolicy,
     FSDP2WorkspacePolicy,
@@ -35,10 +36,12 @@ from .._policy import (
     LeanWorkspacePolicy,
     MicrobatchCache,
     Policy,
+    QuantizedGather,
     RecomputeCopy,
     RecomputeWorkspacePolicy,
     WorkspacePolicy,
     base_policy_for,
+    shard_gather_refusal,
 )
 from .._selection import resolve_policy, select_policy
 
@@ -70,6 +73,8 @@ __all__ = [
     "high_precision_override_keeps_no_quantized_weight_for_backward",
     "inference_has_no_backward",
     "unsafe_requantization_is_noted",
+    "a_workspace_is_made_from_the_shard_only_where_that_is_exact",
+    "a_quantized_gather_set_up_but_not_used_is_noted",
     "select_policy_covers_every_valid_context",
     "a_policy_refuses_exactly_the_contexts_it_does_not_cover",
     "check_policy",
@@ -88,7 +93,9 @@ _BASE: tuple[WorkspacePolicy, ...] = (WorkspacePolicy(), FSDP2WorkspacePolicy(),
                                       LeanWorkspacePolicy(), KeepForBackwardWorkspacePolicy(),
                                       # the options, which are off by default
                                       FSDP2WorkspacePolicy(microbatch_cache=_CACHE),
-                                      KeepForBackwardWorkspacePolicy(microbatch_cache=_CACHE))
+                                      KeepForBackwardWorkspacePolicy(microbatch_cache=_CACHE),
+                                      FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.ON),
+                                      FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.OFF))
 #: Every policy the core ships, with and without its options, recompute
 #: wrappers (with either ``recompute_copy``) included.
 SHIPPED_POLICIES: tuple[Policy, ...] = _BASE + tuple(
@@ -98,12 +105,12 @@ SHIPPED_POLICIES: tuple[Policy, ...] = _BASE + tuple(
 
 def every_option_on(sharding: Sharding) -> RecomputeWorkspacePolicy:
     """The shipped policy for ``sharding`` with every option switched on
-    (``MicrobatchCache.EXACT_FORMATS`` under FSDP2,
-    ``RecomputeCopy.BUILD_ONCE``), as one policy to pin: the recompute
+    (``MicrobatchCache.EXACT_FORMATS`` and ``QuantizedGather.ON`` under
+    FSDP2, ``RecomputeCopy.BUILD_ONCE``), as one policy to pin: the recompute
     wrapper plans calls outside recompute passes by its inner policy."""
     inner = base_policy_for(sharding)()
     if isinstance(inner, FSDP2WorkspacePolicy):
-        inner = FSDP2WorkspacePolicy(microbatch_cache=_CACHE)
+        inner = FSDP2WorkspacePolicy(microbatch_cache=_CACHE, quantized_gather=QuantizedGather.ON)
     return RecomputeWorkspacePolicy(inner=inner, recompute_copy=RecomputeCopy.BUILD_ONCE)
 
 
@@ -113,7 +120,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def all_contexts(capabilities: QuantizerCapabilities) -> Iterator[WorkspaceContext]:
-    """Every valid context for a quantizer with ``capabilities`` (720 of them)."""
+    """Every valid context for a quantizer with ``capabilities`` (1,728 of them)."""
     return valid_contexts(capabilities)
 
 
@@ -143,6 +150,7 @@ def fsdp2_resharding_keeps_no_quantized_copy_outside_a_recompute_pass(
     if (
         ctx.sharding is Sharding.FSDP2_RESHARD
         and ctx.weight is WeightSource.HIGH_PRECISION
+        and plan.workspace_origin is WorkspaceOrigin.CALL  # from the shard: FSDP2 reshards the gathered one
         and (ctx.recompute is RecomputePass.NONE or not ctx.grad_enabled)
     ):
         if _keeps_for_backward(policy) and ctx.capabilities.requantization_safe:
@@ -298,8 +306,10 @@ def fsdp2_derived_data_is_released_whenever_backward_runs(
 ) -> None:
     """TE#2717: the backward gather derives columnwise data in memory FSDP2
     cannot free, so quantized FSDP2 parameters of formats with derived
-    caches release it whenever backward runs (and only then)."""
-    if not (ctx.sharding.is_fsdp2 and ctx.weight is WeightSource.QUANTIZED_PARAM):
+    caches, and workspaces made from the shard (which arrive as such a
+    parameter), release it whenever backward runs (and only then)."""
+    arrives_quantized = ctx.weight is WeightSource.QUANTIZED_PARAM or plan.workspace_origin is WorkspaceOrigin.SHARD
+    if not (ctx.sharding.is_fsdp2 and arrives_quantized):
         return
     # A reentrant first pass runs without grad; a non-reentrant one (grad on)
     # is the pass whose autograd nodes backward runs.
@@ -348,6 +358,31 @@ def unsafe_requantization_is_noted(policy: Policy, ctx: WorkspaceContext, plan: 
         )
 
 
+def a_workspace_is_made_from_the_shard_only_where_that_is_exact(
+    policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan
+) -> None:
+    """A workspace is made from the shard only where a quantized all-gather
+    is set up and the result equals a quantization in the call bit for bit
+    (``shard_gather_refusal``); it then reaches the call as the gathered
+    parameter, quantized nowhere in forward or backward."""
+    if plan.workspace_origin is not WorkspaceOrigin.SHARD:
+        return
+    refusal = shard_gather_refusal(ctx)
+    _require(refusal is None, f"makes the workspace from the shard, but {refusal}")
+    _require(plan.backward_source in (BackwardSource.NONE, BackwardSource.SAVED_PARAMETER),
+             f"a workspace made from the shard reaches backward as backward_source={plan.backward_source.value}")
+
+
+def a_quantized_gather_set_up_but_not_used_is_noted(policy: Policy, ctx: WorkspaceContext, plan: WorkspacePlan) -> None:
+    """Where a quantized all-gather is set up but the workspace is made in
+    the call, the notes say why (a binding sets the gather up only where the
+    plan makes the workspace from the shard, so this is a fallback to explain)."""
+    if ctx.shard_gather is not ShardGather.NONE and plan.workspace_origin is WorkspaceOrigin.CALL:
+        _require(any(n.startswith("made in the call, not from the shard: ") for n in plan.notes),
+                 f"a quantized all-gather is set up but the workspace is made in the call, unexplained "
+                 f"(notes: {plan.notes})")
+
+
 # -- context invariants -------------------------------------------------------
 def select_policy_covers_every_valid_context(ctx: WorkspaceContext) -> None:
     """select_policy picks a policy that covers the context and plans it without raising."""
@@ -392,6 +427,8 @@ PLAN_INVARIANTS: tuple[PlanInvariant, ...] = (
     high_precision_override_keeps_no_quantized_weight_for_backward,
     inference_has_no_backward,
     unsafe_requantization_is_noted,
+    a_workspace_is_made_from_the_shard_only_where_that_is_exact,
+    a_quantized_gather_set_up_but_not_used_is_noted,
 )
 
 #: Every context invariant, run by check_quantizer on each context.

@@ -42,6 +42,12 @@ The rules, per decision (WorkspacePlan's own checks come on top):
   parameter whose format keeps derived data, in a call with a backward, and
   columnwise data that is derived (FSDP2's gather, or a parameter that
   keeps rowwise data only).
+* Where the workspace is made. In the call, always (a policy may fall back
+  to it where a quantized all-gather is set up). From the shard
+  (``WorkspaceOrigin.SHARD``) only where a quantized all-gather is set up
+  and ``shard_gather_refusal`` finds nothing against it: then any plan of
+  the call as the weight arrives (a quantized parameter) is meaningful,
+  with ``parameter_keeps`` none (the parameter is high precision).
 """
 
 from __future__ import annotations
@@ -55,12 +61,14 @@ from .._context import (
     BackwardOverride,
     Microbatch,
     RecomputePass,
+    ShardGather,
     Sharding,
+    WeightSource,
     WorkspaceContext,
 )
 from .._errors import ContextTypeError, InvalidPlanError
-from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspacePlan
-from .._policy import Policy, _require_context, backward_usage
+from .._plan import BackwardSource, CacheAction, ColumnwiseSource, Release, Usage, WorkspaceOrigin, WorkspacePlan
+from .._policy import Policy, _require_context, backward_usage, shard_gather_refusal
 
 __all__ = ["meaningful_plans", "DrawnPlanPolicy", "replay_context", "PlanChooser", "PickedPlans", "FixedSharding"]
 
@@ -218,7 +226,21 @@ def meaningful_plans(ctx: WorkspaceContext, *, cache_filled: bool | None = None)
                 ))
             except InvalidPlanError:
                 continue
+    if ctx.shard_gather is not ShardGather.NONE and shard_gather_refusal(ctx) is None:
+        plans += [p for p in _plans_from_the_shard(ctx) if p not in plans]
     return tuple(plans)
+
+
+def _plans_from_the_shard(ctx: WorkspaceContext) -> list[WorkspacePlan]:
+    """The plans of the call as the weight arrives from a quantized
+    all-gather (a quantized parameter), made from the shard, each once."""
+    arrived = replace(ctx, weight=WeightSource.QUANTIZED_PARAM, shard_gather=ShardGather.NONE)
+    found: list[WorkspacePlan] = []
+    for plan in meaningful_plans(arrived, cache_filled=False):
+        plan = replace(plan, parameter_keeps=Usage.NONE, workspace_origin=WorkspaceOrigin.SHARD)
+        if plan not in found:
+            found.append(plan)
+    return found
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,231 @@
+"""The drop-ins' quantized FSDP2 all-gather (docs/decisions.md, D13).
+
+:func:`enable_quantized_gather` sets it up for a model after ``fully_shard``
+and before its first forward, for the weights whose plan makes the workspace
+from the shard: each rank then quantizes its shard once per optimizer step
+(the step task below) and FSDP2 gathers the quantized bytes, which reach
+TE's modules as the FP8 weight ``quantized_model_init`` would hand them.
+
+Why a call of its own, not something the first module call does: FSDP2
+fixes what its all-gather sends at its lazy init, which runs before any
+module's forward; and what a workspace is made with is the recipe's weight
+quantizer, which only ``te.autocast`` names. So the user names the recipe,
+once, before the first forward (the default policy's rule then decides per
+weight, with the world size FSDP2 shards it over).
+
+The calls of a weight gathered this way receive a quantized weight and are
+planned as TE plans an FP8 parameter's (``WeightSource.QUANTIZED_PARAM``),
+which is the plan the policy makes from the shard
+(``tests/unit/test_quantized_gather_plan.py``): saved as the gathered
+parameter, columnwise data derived after the gather and cleared after
+backward. The model's :class:`~workspace_manager.gather.ShardGatherState`
+is its :attr:`ModelWorkspaceState.gather`.
+
+What this binding gathers quantized: the weights of Linear, LayerNormLinear
+and LayerNormMLP under Float8CurrentScaling. GroupedLinear and te.ops are
+left out, named in the setup's choices: their FSDP2 paths keep derived
+transposes the binding does not yet release, and GroupedLinear's single
+grouped weight needs a grouped factory. Float8BlockScaling is left out too:
+the policy would make it from the shard, this binding has no shard quantizer
+for it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from workspace_manager import (
+    BackwardOverride,
+    RECIPE_PROFILES,
+    ShardGather,
+    WeightSource,
+    WorkspaceContext,
+    WorkspaceOrigin,
+    plan_call,
+)
+from workspace_manager.extending import quantizer_capabilities
+from workspace_manager.gather import GatherContext, ShardGatherState, ShardLayout, enable_quantized_gather_sharded
+
+from ..te import _compat as te
+from ._argument_checks import expect_module
+from ._model import live_models, model_for_root
+from ._state import state_of
+from ._step_hook import Step, step_task
+
+__all__ = ["enable_quantized_gather", "QuantizedGatherSetup", "GatherChoice", "CurrentScalingShards",
+           "Float8GatheredWeights"]
+
+#: The weights each kind this binding gathers quantized computes with, by kind name.
+_WEIGHTS = MappingProxyType({"linear": ("weight",), "layernorm_linear": ("weight",),
+                             "layernorm_mlp": ("fc1_weight", "fc2_weight")})
+#: The kinds it leaves out, and why.
+_LEFT_OUT = MappingProxyType({
+    "grouped_linear": "GroupedLinear is not gathered quantized by this binding yet (its derived transposes are kept "
+                      "after backward, and a single grouped weight needs a grouped factory)",
+    "ops_basic_linear": "te.ops linear ops are not gathered quantized by this binding yet",
+    "ops_grouped_linear": "te.ops linear ops are not gathered quantized by this binding yet",
+})
+
+
+@dataclass(frozen=True)
+class GatherChoice:
+    """One weight of a drop-in: whether its quantized all-gather is set up,
+    and why (the plan's reason, or why this binding leaves it out)."""
+
+    module: str
+    weight: str
+    set_up: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.module or '<model>'}.{self.weight}: {'set up' if self.set_up else 'left out'} ({self.reason})"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedGatherSetup:
+    """What :func:`enable_quantized_gather` did: a choice per drop-in weight,
+    and the model's shard state (None where nothing was set up)."""
+
+    choices: tuple[GatherChoice, ...]
+    state: ShardGatherState | None
+
+    @property
+    def set_up(self) -> tuple[GatherChoice, ...]:
+        return tuple(c for c in self.choices if c.set_up)
+
+    @property
+    def left_out(self) -> tuple[GatherChoice, ...]:
+        return tuple(c for c in self.choices if not c.set_up)
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.choices)) or "no drop-in weights in the model"
+
+
+class CurrentScalingShards:
+    """Float8CurrentScaling's shard quantization (a ``ShardQuantizer``),
+    with TE's kernels: the shard's amax (``tex.compute_amax``), reduced
+    with MAX over the shard group by the mechanism, is the whole weight's;
+    the scale comes from it as TE's current-scaling scale does (fp8 max,
+    the recipe's power-of-2 and epsilon settings), and the cast is TE's
+    scaled FP8 cast (``te_integration.te._compat``)."""
+
+    def __init__(self, quantizer: Any) -> None:
+        self.quantizer = quantizer
+
+    def statistic(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        return te.shard_amax(shard)
+
+    def quantize(self, shard: torch.Tensor, statistic: torch.Tensor,
+                 layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        return te.cast_with_amax(shard, statistic, self.quantizer)
+
+
+class Float8GatheredWeights:
+    """The gathered weight TE's modules compute with (a ``GatheredWeightFactory``):
+    TE's ``Float8Tensor`` over FSDP2's gathered bytes, with the recipe's
+    weight quantizer, rowwise data only (TE's backward derives the
+    transpose where dgrad reads it, and clears it after). Every later
+    gather refills the same tensor and drops the previous gather's transpose."""
+
+    def __init__(self, quantizer: Any) -> None:
+        self.quantizer = quantizer
+
+    def make(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+             context: GatherContext) -> torch.Tensor:
+        return te.float8_weight(data, scale_inv.clone(), dtype, self.quantizer)
+
+    def refill(self, out: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, context: GatherContext) -> None:
+        te.refill_float8_weight(out, data, scale_inv)
+
+
+def enable_quantized_gather(model: torch.nn.Module, recipe: Any) -> QuantizedGatherSetup:
+    """Set up the quantized FSDP2 all-gather for the drop-in weights of
+    ``model`` whose plan makes the workspace from the shard under ``recipe``
+    (TE's recipe object, the one ``te.autocast`` will be given). Call it
+    after ``fully_shard`` and before the model's first forward, on every
+    rank alike. Returns what was set up and why each weight was or was not.
+    Calling it again for the same model is refused: its state is set up."""
+    expect_module("enable_quantized_gather", "model", model)
+    owner = model_for_root(model)
+    if owner.gather is not None:
+        raise RuntimeError("enable_quantized_gather: the quantized all-gather of this model is set up already; "
+                           f"its weights: {[name for name, _ in owner.gather.wrapped()]}")
+    quantizer = te.weight_quantizer_of(recipe)
+    choices = tuple(_choice(path, module, weight, recipe, quantizer)
+                    for path, module in _drop_ins(model) for weight in _weights_of(module))
+    names = [f"{c.module}.{c.weight}" if c.module else c.weight for c in choices if c.set_up]
+    state = None
+    if names:
+        state = enable_quantized_gather_sharded(model, CurrentScalingShards(quantizer),
+                                                Float8GatheredWeights(quantizer), names)
+        owner.gather = state
+    return QuantizedGatherSetup(choices, state)
+
+
+def _drop_ins(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [(path, m) for path, m in model.named_modules() if getattr(m, "_wm_kind", None) is not None]
+
+
+def _weights_of(module: Any) -> tuple[str, ...]:
+    return _WEIGHTS.get(module._wm_kind.name, ("weight",))
+
+
+def _choice(path: str, module: Any, weight: str, recipe: Any, quantizer: Any) -> GatherChoice:
+    """Whether ``module``'s ``weight`` is gathered quantized: the binding's
+    own limits first, then the plan of a training call of it."""
+    kind = module._wm_kind.name
+    left_out = _LEFT_OUT.get(kind)
+    if left_out is None and kind not in _WEIGHTS:
+        left_out = f"{type(module).__name__} is not a kind this binding gathers quantized"
+    if left_out is not None:
+        return GatherChoice(path, weight, False, left_out)
+    param = getattr(module, weight, None)
+    world = _shard_world_size(param)
+    if world is None:
+        return GatherChoice(path, weight, False, "not sharded by FSDP2 (call fully_shard first)")
+    plan = plan_call(_context(module, recipe, quantizer, world), state_of(module).policy)
+    if plan.workspace_origin is not WorkspaceOrigin.SHARD:
+        return GatherChoice(path, weight, False, next(n for n in plan.notes if n.startswith("made in the call")))
+    if quantizer is None:
+        return GatherChoice(path, weight, False, f"this binding has no shard quantizer for {type(recipe).__name__} "
+                                                 "yet (only for Float8CurrentScaling)")
+    return GatherChoice(path, weight, True, plan.notes[0])
+
+
+def _shard_world_size(param: Any) -> int | None:
+    """The ranks FSDP2 shards ``param`` over (its ``Shard(0)`` mesh dim); None
+    for a parameter FSDP2 does not shard."""
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return None
+    dims = [i for i, p in enumerate(placements) if getattr(p, "dim", None) == 0 and p.is_shard()]
+    return param.device_mesh.size(dims[0]) if len(dims) == 1 else None
+
+
+def _context(module: Any, recipe: Any, quantizer: Any, world: int) -> WorkspaceContext:
+    """A training call of the weight, as it would be planned with a
+    quantized all-gather set up over ``world`` ranks."""
+    capabilities = quantizer_capabilities(quantizer) if quantizer is not None else RECIPE_PROFILES[type(recipe).__name__]
+    return WorkspaceContext(
+        capabilities=capabilities, sharding=state_of(module).sharding(module), weight=WeightSource.HIGH_PRECISION,
+        backward_override=BackwardOverride.from_te(getattr(recipe, "backward_override", None)),
+        shard_gather=ShardGather.for_world_size(world),
+    )
+
+
+@step_task("quantized_shards")
+def _refresh_quantized_shards(step: Step) -> None:
+    """Remake the quantized shards of the parameters the step wrote, one
+    reduction per shard group for all of them (every rank steps the same
+    parameters, so every rank joins)."""
+    for model in live_models():
+        gather = model.gather
+        if gather is None:
+            continue
+        written = [p for _, p in gather.wrapped() if step.everything or id(p) in step.ids]
+        if written:
+            gather.refresh(written)

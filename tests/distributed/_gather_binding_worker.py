@@ -1,0 +1,180 @@
+"""torchrun worker (gloo, CPU): the drop-ins' quantized FSDP2 all-gather
+(``te_integration.enable_quantized_gather``, D13) with the stand-in TE.
+
+Two models of three drop-in Linears (16->10, 10->6, 6->16: at world size 4
+the shards are uneven and one rank holds no rows of the 6-row weight), the
+same initial weights, each ``fully_shard``-ed: "stock", whose stand-in
+weight quantizer quantizes the gathered fp32 weight in every call (per-tensor
+FP8, the arithmetic of the stand-in's shard path), and "ours", set up for the
+quantized all-gather after ``fully_shard``. Each row is
+``{case, what, expected, got, passed}``; the report goes to the path given.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from _pytest.monkeypatch import MonkeyPatch  # noqa: E402  (the stand-in's loader takes one)
+
+from _fake_te import TELinear, load_full_binding  # noqa: E402
+from _fake_te_gather import RECIPES, Fp8CurrentScalingQuantizer  # noqa: E402
+
+from tests.distributed._ranks import report, rows_of, run  # noqa: E402
+
+TI = load_full_binding(MonkeyPatch())
+SHAPES = ((16, 10), (10, 6), (6, 16))
+
+
+def _row(case: str, what: str, expected, got) -> dict:
+    return {"case": case, "what": what, "expected": str(expected), "got": str(got), "passed": expected == got}
+
+
+def _pair(mesh, reshard: bool):
+    """(stock, ours): drop-in models with the same weights, both sharded."""
+    base = nn.Sequential(*(TELinear(i, o, seed=n) for n, (i, o) in enumerate(SHAPES)))
+    for layer in base:
+        layer.quantizer, layer.calls = Fp8CurrentScalingQuantizer(), None
+    stock, ours = (TI.modules.convert_model(copy.deepcopy(base)) for _ in range(2))
+    for model in (stock, ours):
+        for layer in model:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return stock, ours
+
+
+def _batch(step: int, mb: int) -> torch.Tensor:
+    return torch.randn(5, SHAPES[0][0], generator=torch.Generator().manual_seed(1000 * dist.get_rank() + 10 * step + mb))
+
+
+def _train(model, optimizer, steps: int, microbatches: int) -> list[torch.Tensor]:
+    outs = []
+    for step in range(steps):
+        for mb in range(microbatches):
+            out = model(_batch(step, mb))
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+    return outs
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", t)
+    return getattr(local, "_hp", local)
+
+
+def parity_rows(mesh, reshard: bool, microbatches: int) -> list[dict]:
+    """Outputs, sharded gradients and weights bit-exact with stock over 3
+    steps, AdamW; every shard made once per step by the step task, none in
+    the all-gather hook after the first, one reduction per step."""
+    case = f"parity reshard={reshard} mb={microbatches}"
+    stock, ours = _pair(mesh, reshard)
+    setup = TI.gather.enable_quantized_gather(ours, RECIPES.current())
+    rows = [_row(case, "weights set up", ["0.weight", "1.weight", "2.weight"],
+                 [f"{c.module}.{c.weight}" for c in setup.set_up])]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (stock, ours)]
+    got = [_train(m, o, 3, microbatches) for m, o in zip((stock, ours), opts)]
+    rows.append(_row(case, "outputs equal stock's", True, all(torch.equal(a, b) for a, b in zip(*got))))
+    same = [n for (n, p), q in zip(ours.named_parameters(), stock.parameters()) if not torch.equal(_plain(p), _plain(q))]
+    rows.append(_row(case, "weights after 3 steps equal stock's", [], same))
+    counts = setup.state.counts()
+    rows.append(_row(case, "refreshes, shards made by them, made in a hook", (3, 9, 3),
+                     (counts.refreshes, counts.refreshed_shards, counts.hook_remakes)))
+    world = dist.get_world_size()
+    rows.append(_row(case, "reductions: the first gathers' and one per step", 3 * (world > 1) + 3 * (world > 1),
+                     counts.reductions))
+    return rows
+
+
+def attribution_rows(mesh) -> list[dict]:
+    """workspace_report shows the held shards; stale_workspaces reports none
+    after a step and exactly the shard written outside one; release_workspaces
+    frees them and the next forward makes them again."""
+    case = "report, stale, release"
+    _, ours = _pair(mesh, True)
+    setup = TI.gather.enable_quantized_gather(ours, RECIPES.current())
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    _train(ours, opt, 1, 1)
+    held = setup.state.held_bytes()
+    report_ = TI.attribution.workspace_report(ours)
+    shards = [w for w in report_.entries if w.record.kind.value == "quantized FSDP2 shard"]
+    rows = [_row(case, "report: one shard per weight, the held bytes, no leftover", (3, held, ()),
+                 (len(shards), sum(w.nbytes for w in shards), report_.leftovers))]
+    rows.append(_row(case, "stale after a step", [], TI.stale.stale_workspaces(ours)))
+    with torch.no_grad():
+        _plain(ours[1].weight).mul_(1.5)  # a write outside a step (as load_state_dict's copy)
+    stale = TI.stale.stale_workspaces(ours)
+    rows.append(_row(case, "stale after a write outside a step", [("1.weight", "shard_older_than_weight")],
+                     [(s.weight, s.kind.value) for s in stale]))
+    freed = TI.stale.release_workspaces(ours)
+    rows.append(_row(case, "released: the held bytes, none held after", (held, 0), (freed, setup.state.held_bytes())))
+    _train(ours, opt, 1, 1)
+    rows.append(_row(case, "made again by the next step", (held, []), (setup.state.held_bytes(), TI.stale.stale_workspaces(ours))))
+    try:
+        TI.gather.enable_quantized_gather(ours, RECIPES.current())
+        again = "no error"
+    except RuntimeError as err:
+        again = "refused" if "set up already" in str(err) else str(err)
+    rows.append(_row(case, "setting it up again", "refused", again))
+    return rows
+
+
+def without_the_step_task_rows(mesh) -> list[dict]:
+    """With the step task gone, each step's first gather remakes every shard
+    in the hook (with one reduction each): what the task saves."""
+    case = "without the step task"
+    _, ours = _pair(mesh, True)
+    setup = TI.gather.enable_quantized_gather(ours, RECIPES.current())
+    task = TI.step_hook._TASKS.pop("quantized_shards")
+    try:
+        _train(ours, torch.optim.AdamW(ours.parameters(), lr=0.05), 3, 2)
+    finally:
+        TI.step_hook._TASKS["quantized_shards"] = task
+    counts = setup.state.counts()
+    return [_row(case, "refreshes, made in a hook", (0, 9), (counts.refreshes, counts.hook_remakes))]
+
+
+def fallback_rows(mesh) -> list[dict]:
+    """Recipes whose workspace is made in the call: nothing set up, each
+    weight left out with the plan's reason, or this binding's."""
+    rows = []
+    for recipe, words in ((RECIPES.delayed(), "float8_delayed_scaling does not quantize a shard"),
+                          (RECIPES.block(), "no shard quantizer for Float8BlockScaling")):
+        _, ours = _pair(mesh, True)
+        setup = TI.gather.enable_quantized_gather(ours, recipe)
+        reasons = {words in c.reason for c in setup.choices}
+        rows.append(_row(f"fallback {type(recipe).__name__}", "nothing set up, the reason named",
+                         (0, None, {True}), (len(setup.set_up), setup.state, reasons)))
+    _, ours = _pair(mesh, True)
+    ours(_batch(0, 0))  # FSDP2's lazy init has run: too late
+    try:
+        TI.gather.enable_quantized_gather(ours, RECIPES.current())
+        got = "no error"
+    except Exception as err:  # noqa: BLE001 - the row says what was raised
+        got = "refused" if "first forward" in str(err) else f"{type(err).__name__}: {err}"
+    rows.append(_row("after the first forward", "refused by name", "refused", got))
+    return rows
+
+
+def main() -> int:
+    out_path = sys.argv[1]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cases = [lambda: parity_rows(mesh, True, 1), lambda: parity_rows(mesh, True, 4), lambda: parity_rows(mesh, False, 4),
+             lambda: attribution_rows(mesh), lambda: without_the_step_task_rows(mesh), lambda: fallback_rows(mesh)]
+    rows = rows_of(cases, lambda error: _row("setup", "no error", None, error))
+    return report(Path(out_path), {"rank": dist.get_rank(), "rows": rows})
+
+
+if __name__ == "__main__":
+    run(main)
