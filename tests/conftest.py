@@ -3,14 +3,14 @@ workers of the whole suite.
 
 The whole suite (``python3 -m pytest -q``, no paths given) runs on every
 core, with pytest-xdist (the test extra installs it): one worker per core,
-so that two cores take about two minutes. A run of some paths, of the GPU
+so that two cores take about three minutes. A run of some paths, of the GPU
 tier (``-m gpu``: one GPU for every test), with ``-n`` given or without
 pytest-xdist runs in one process as pytest does by default.
 
 HYPOTHESIS_PROFILE=ci (the default under CI=true) is derandomized, so a CI
 run is a regression test; ``dev`` (the default otherwise) draws anew on each
 run. Both draw 100 examples per property, so that the README's test command
-takes about two minutes on two cores. ``thorough`` draws 30 times as many
+takes about three minutes on two cores. ``thorough`` draws 30 times as many
 (and 120 plans per setting in the drawn-plan tests, ``unit/_examples.py``):
 the deep run before a release, ``HYPOTHESIS_PROFILE=thorough python3 -m pytest -q``.
 """
