@@ -332,6 +332,22 @@ def _grouped_linear_source() -> str:
     return body
 
 
+#: Code for a process that imports te_integration over the tree: TE's quantizer
+#: classes that ``_te_quantizers`` resolves by name, which the tree lacks, made
+#: empty classes in their modules (the tree's module where it has one).
+QUANTIZER_STUBS = """
+import importlib, sys, types
+from workspace_manager.extending import TE_QUANTIZER_PROFILES
+for name in TE_QUANTIZER_PROFILES:
+    module, _, cls = name.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        found = sys.modules.setdefault(module, types.ModuleType(module))
+    setattr(found, cls, type(cls, (), {}))
+"""
+
+
 def write_te_tree(root: Path) -> Path:
     """Write the complete stand-in under ``root``/transformer_engine; returns ``root``."""
     for rel, source in _files().items():
