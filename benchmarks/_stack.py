@@ -418,18 +418,19 @@ def probe_step(model, opt, recipe, batches, baseline: int) -> tuple[dict, list[f
             "cached_workspaces": cached_workspaces(model)}, [float(v) for v in losses]
 
 
-def probe_model(build, recipe_name: str, batches_for, steps: Steps) -> dict:
+def probe_model(build, recipe_name: str, batches_for, steps: Steps, *, optimizer=optimizer_for) -> dict:
     """Build a model (``build()``), train ``steps.warmup`` steps, then probe
     ``steps.probe`` steps (:func:`probe_step`); the mean of each figure, each
     probe, the recipe state and the losses of every step. Memory after the
     step is over what was allocated before the model was built; the other
     figures are over the step's start. The seams stay installed (stock
-    modules pass through them unchanged): the quantization counter needs them."""
+    modules pass through them unchanged): the quantization counter needs them.
+    ``optimizer(model)`` makes the optimizer (TE's FusedAdam by default)."""
     release_memory()
     baseline = allocated()
     t0 = time.perf_counter()
     model = build()
-    opt = optimizer_for(model)
+    opt = optimizer(model)
     build_s = time.perf_counter() - t0
     recipe = make_recipe(recipe_name)
     losses: list[float] = []
@@ -477,14 +478,15 @@ def profile_pair(models: dict, opts: dict, recipes: dict, batches, *, kernels: b
 
 
 def paired(builders: dict, recipe_name: str, batches_for, steps: Steps, dist, *, profile: bool = False,
-           kernels: bool = False) -> dict:
+           kernels: bool = False, optimizer=optimizer_for) -> dict:
     """Build every model of ``builders`` ({label: build()}, alive together;
     a label starting with ``stock`` is stock TE) and train them in turn
-    (:func:`take_turns`). With ``profile``, one more step of ``stock`` and
-    ``dropin`` is profiled (:func:`profile_pair`)."""
+    (:func:`take_turns`), each with ``optimizer(model)`` (TE's FusedAdam by
+    default). With ``profile``, one more step of ``stock`` and ``dropin`` is
+    profiled (:func:`profile_pair`)."""
     release_memory()
     models = {label: build() for label, build in builders.items()}
-    opts = {label: optimizer_for(model) for label, model in models.items()}
+    opts = {label: optimizer(model) for label, model in models.items()}
     recipes = {label: make_recipe(recipe_name) for label in models}  # one recipe object per model
     try:
         result = take_turns(models, opts, recipes, {label: not label.startswith("stock") for label in models},

@@ -9,6 +9,7 @@ GPU test and a benchmark measuring the same thing.
 | ``experts`` | the MoE expert stack of ``te.GroupedLinear`` (stock or drop-in, either parameter layout, FSDP2 or unsharded) and its reference of per-expert ``te.Linear`` modules |
 | ``moe_mlp`` | the MoE MLP of issue 38: GroupedLinear -> GELU -> GroupedLinear + residual per layer, tokens routed unevenly (one expert empty), bf16 or quantized parameters, stock or drop-in, under FSDP2 |
 | ``recipes`` | TE's recipe objects by name and TE's own support check |
+| ``gather`` | the quantized FSDP2 all-gather (D13) set up on a model, pinned on at any world size, and the bytes FSDP2's all-gathers hand a rank |
 | ``dist`` | the NCCL process group of a torchrun rank, ``guard`` and the GPU workers' skeleton ``run_worker`` |
 | ``record`` | what a result records about where it ran (commit, TE, torch, GPUs) and its JSON values |
 | ``attribution`` | how far the attribution report's bytes and allocated memory disagree |

@@ -21,13 +21,14 @@ parameter, columnwise data derived after the gather and cleared after
 backward. The model's :class:`~workspace_manager.gather.ShardGatherState`
 is its :attr:`ModelWorkspaceState.gather`.
 
-What this binding gathers quantized: the weights of Linear, LayerNormLinear
-and LayerNormMLP under Float8CurrentScaling. GroupedLinear and te.ops are
-left out, named in the setup's choices: their FSDP2 paths keep derived
-transposes the binding does not yet release, and GroupedLinear's single
-grouped weight needs a grouped factory. Float8BlockScaling is left out too:
-the policy would make it from the shard, this binding has no shard quantizer
-for it yet.
+What this binding gathers quantized: the weights of Linear, LayerNormLinear,
+LayerNormMLP and GroupedLinear with one parameter per expert, under
+Float8CurrentScaling and under Float8BlockScaling with 2D weight blocks
+where FSDP2's shard boundaries fall on the 128-row block boundaries (each
+block then lies in one shard). Left out, each named in the setup's
+choices: GroupedLinear's single grouped weight (it needs a grouped
+factory), te.ops linear ops, 2D-block weights whose shards cut a block, and
+every other recipe (the policy makes their workspaces in the call).
 """
 
 from __future__ import annotations
@@ -57,18 +58,21 @@ from ._state import state_of
 from ._step_hook import Step, step_task
 
 __all__ = ["enable_quantized_gather", "QuantizedGatherSetup", "GatherChoice", "CurrentScalingShards",
-           "Float8GatheredWeights"]
+           "Float8GatheredWeights", "BlockScalingShards", "BlockGatheredWeights"]
 
-#: The weights each kind this binding gathers quantized computes with, by kind name.
+#: The weights each kind this binding gathers quantized computes with, by kind name
+#: (GroupedLinear's: one per expert, :func:`_weights_of`).
 _WEIGHTS = MappingProxyType({"linear": ("weight",), "layernorm_linear": ("weight",),
-                             "layernorm_mlp": ("fc1_weight", "fc2_weight")})
+                             "layernorm_mlp": ("fc1_weight", "fc2_weight"), "grouped_linear": ()})
 #: The kinds it leaves out, and why.
 _LEFT_OUT = MappingProxyType({
-    "grouped_linear": "GroupedLinear is not gathered quantized by this binding yet (its derived transposes are kept "
-                      "after backward, and a single grouped weight needs a grouped factory)",
-    "ops_basic_linear": "te.ops linear ops are not gathered quantized by this binding yet",
-    "ops_grouped_linear": "te.ops linear ops are not gathered quantized by this binding yet",
+    "ops_basic_linear": "te.ops linear ops are not gathered quantized by this binding yet (their fuser quantizes "
+                        "the weight inside the fused operation, which no gathered quantized weight reaches)",
+    "ops_grouped_linear": "te.ops linear ops are not gathered quantized by this binding yet (their fuser quantizes "
+                          "the weight inside the fused operation, which no gathered quantized weight reaches)",
 })
+#: Rows of one 2D block of TE's Float8BlockScaling weights.
+_BLOCK_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,87 @@ class Float8GatheredWeights:
         te.refill_float8_weight(out, data, scale_inv)
 
 
+class BlockScalingShards:
+    """Float8BlockScaling's shard quantization with 2D weight blocks (a
+    ``ShardQuantizer``), for shards that start on a block boundary
+    (:meth:`refusal`): TE's own block kernel quantizes the shard's rows,
+    which is the whole weight's quantization of those rows since every
+    block lies in one shard. The statistic is the whole weight's grid of
+    block scales with this shard's rows filled in and zeros elsewhere, so
+    the mechanism's MAX all-reduce hands every rank the whole grid: the
+    gathered weight's scales, the same on every rank."""
+
+    def __init__(self, quantizer: Any) -> None:
+        self.quantizer = quantizer
+        # statistic() quantizes the shard; quantize() of the same source
+        # (the refresh calls the two in turn) takes the bytes from here.
+        self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def refusal(full_shape: tuple[int, ...], world: int) -> str | None:
+        """Why a weight of ``full_shape`` sharded over ``world`` ranks cannot
+        be quantized shard by shard, or None."""
+        rows = -(-full_shape[0] // world)
+        if world == 1 or rows % _BLOCK_ROWS == 0:
+            return None
+        return (f"Float8BlockScaling: FSDP2 cuts this weight's {full_shape[0]} rows into shards of {rows} over "
+                f"{world} ranks, inside its {_BLOCK_ROWS}-row blocks; a shard's blocks would not be the whole "
+                "weight's (made in the call instead)")
+
+    @staticmethod
+    def _grid_shape(full_shape: tuple[int, ...]) -> tuple[int, int]:
+        columns = -(-full_shape[-1] // _BLOCK_ROWS)
+        return -(-full_shape[0] // _BLOCK_ROWS), -(-columns // 4) * 4
+
+    def statistic(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        grid = torch.zeros(self._grid_shape(layout.full_shape), dtype=torch.float32, device=shard.device)
+        if layout.rows:
+            data, scale_inv = te.block_quantize_rows(shard, self.quantizer)
+            self._made[id(shard)] = (shard, data)
+            first = layout.row_start // _BLOCK_ROWS
+            columns = min(grid.shape[1], scale_inv.shape[1])
+            grid[first:first + scale_inv.shape[0], :columns] = scale_inv[:, :columns]
+        return grid.reshape(-1)
+
+    def quantize(self, shard: torch.Tensor, statistic: torch.Tensor,
+                 layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        made = self._made.pop(id(shard), None)
+        if made is not None and made[0] is shard:
+            data = made[1]
+        elif layout.rows:
+            data = te.block_quantize_rows(shard, self.quantizer)[0]
+        else:
+            data = torch.empty(shard.shape, dtype=torch.uint8, device=shard.device)
+        return data, statistic.reshape(self._grid_shape(layout.full_shape)).clone()
+
+
+class BlockGatheredWeights:
+    """The gathered 2D-block weight TE's modules compute with (a
+    ``GatheredWeightFactory``): TE's ``Float8BlockwiseQTensor`` over FSDP2's
+    gathered bytes and the whole weight's block scales, rowwise data only;
+    TE's backward derives the columnwise form where dgrad reads it. Every
+    later gather refills the same tensor and drops the previous gather's
+    columnwise form."""
+
+    def __init__(self, quantizer: Any) -> None:
+        self.quantizer = quantizer
+
+    def make(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+             context: GatherContext) -> torch.Tensor:
+        return te.block_weight(data, scale_inv.clone(), dtype, self.quantizer)
+
+    def refill(self, out: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, context: GatherContext) -> None:
+        te.refill_block_weight(out, data, scale_inv)
+
+
+def _shard_format(quantizer: Any) -> tuple[Any, Any, Any]:
+    """``(shard quantizer, factory, layout refusal)`` for a weight quantizer
+    :func:`te.weight_quantizer_of` returned."""
+    if getattr(quantizer, "block_scaling_dim", None) == 2:
+        return BlockScalingShards(quantizer), BlockGatheredWeights(quantizer), BlockScalingShards.refusal
+    return CurrentScalingShards(quantizer), Float8GatheredWeights(quantizer), lambda full_shape, world: None
+
+
 def enable_quantized_gather(model: torch.nn.Module, recipe: Any) -> QuantizedGatherSetup:
     """Set up the quantized FSDP2 all-gather for the drop-in weights of
     ``model`` whose plan makes the workspace from the shard under ``recipe``
@@ -155,13 +240,13 @@ def enable_quantized_gather(model: torch.nn.Module, recipe: Any) -> QuantizedGat
         raise RuntimeError("enable_quantized_gather: the quantized all-gather of this model is set up already; "
                            f"its weights: {[name for name, _ in owner.gather.wrapped()]}")
     quantizer = te.weight_quantizer_of(recipe)
-    choices = tuple(_choice(path, module, weight, recipe, quantizer)
+    shards, factory, layout_refusal = _shard_format(quantizer) if quantizer is not None else (None, None, None)
+    choices = tuple(_choice(path, module, weight, recipe, quantizer, layout_refusal)
                     for path, module in _drop_ins(model) for weight in _weights_of(module))
     names = [f"{c.module}.{c.weight}" if c.module else c.weight for c in choices if c.set_up]
     state = None
     if names:
-        state = enable_quantized_gather_sharded(model, CurrentScalingShards(quantizer),
-                                                Float8GatheredWeights(quantizer), names)
+        state = enable_quantized_gather_sharded(model, shards, factory, names)
         owner.gather = state
     return QuantizedGatherSetup(choices, state)
 
@@ -171,16 +256,25 @@ def _drop_ins(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 def _weights_of(module: Any) -> tuple[str, ...]:
-    return _WEIGHTS.get(module._wm_kind.name, ("weight",))
+    kind = module._wm_kind.name
+    if kind == "grouped_linear":
+        if getattr(module, "single_grouped_weight", False):
+            return ("weight",)
+        return tuple(f"weight{i}" for i in range(module.num_gemms))
+    return _WEIGHTS.get(kind, ("weight",))
 
 
-def _choice(path: str, module: Any, weight: str, recipe: Any, quantizer: Any) -> GatherChoice:
+def _choice(path: str, module: Any, weight: str, recipe: Any, quantizer: Any, layout_refusal: Any) -> GatherChoice:
     """Whether ``module``'s ``weight`` is gathered quantized: the binding's
-    own limits first, then the plan of a training call of it."""
+    own limits first, then the plan of a training call of it, then whether
+    the shard format can cut the weight where FSDP2 cuts it."""
     kind = module._wm_kind.name
     left_out = _LEFT_OUT.get(kind)
     if left_out is None and kind not in _WEIGHTS:
         left_out = f"{type(module).__name__} is not a kind this binding gathers quantized"
+    if left_out is None and kind == "grouped_linear" and getattr(module, "single_grouped_weight", False):
+        left_out = ("GroupedLinear(single_grouped_weight=True): one grouped weight is not gathered quantized by this "
+                    "binding yet (it needs a grouped factory); one parameter per expert is")
     if left_out is not None:
         return GatherChoice(path, weight, False, left_out)
     param = getattr(module, weight, None)
@@ -192,7 +286,10 @@ def _choice(path: str, module: Any, weight: str, recipe: Any, quantizer: Any) ->
         return GatherChoice(path, weight, False, next(n for n in plan.notes if n.startswith("made in the call")))
     if quantizer is None:
         return GatherChoice(path, weight, False, f"this binding has no shard quantizer for {type(recipe).__name__} "
-                                                 "yet (only for Float8CurrentScaling)")
+                                                 "(only for Float8CurrentScaling and 2D-block Float8BlockScaling)")
+    cut = layout_refusal(tuple(param.shape), world)
+    if cut is not None:
+        return GatherChoice(path, weight, False, cut)
     return GatherChoice(path, weight, True, plan.notes[0])
 
 

@@ -145,6 +145,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_PT}.tensor.storage.float8_blockwise_tensor_storage", "Float8BlockwiseQTensorStorage",
          "Float8BlockwiseQTensorStorage"),
     Seam(f"{_PT}.tensor.float8_blockwise_tensor", "Float8BlockQuantizer", "Float8BlockQuantizer"),
+    # The 2D-block weight TE's modules receive from a quantized all-gather (D13).
+    Seam(f"{_PT}.tensor.float8_blockwise_tensor", "Float8BlockwiseQTensor", "Float8BlockwiseQTensor"),
     # Names managed_construction rebinds while TE builds its composite modules.
     Seam(f"{_PT}.attention.multi_head_attention", "Linear"),
     Seam(f"{_PT}.attention.multi_head_attention", "LayerNormLinear"),
@@ -243,6 +245,7 @@ GroupedTensorStorage = _found["GroupedTensorStorage"]
 Float8TensorStorage = _found["Float8TensorStorage"]
 Float8BlockwiseQTensorStorage = _found["Float8BlockwiseQTensorStorage"]
 Float8BlockQuantizer = _found["Float8BlockQuantizer"]
+Float8BlockwiseQTensor = _found["Float8BlockwiseQTensor"]
 tex = _found["tex"]
 quantize_weight = _found["quantize_weight"]
 is_weight_workspace_valid = _found["is_weight_workspace_valid"]
@@ -418,19 +421,27 @@ _FP8_MAX = {TE_DType.kFloat8E4M3: 448.0, TE_DType.kFloat8E5M2: 57344.0}
 
 
 def weight_quantizer_of(recipe) -> object | None:
-    """The weight quantizer TE's modules make for ``recipe`` where it is a
-    ``Float8CurrentScaling`` recipe (``Float8CurrentScalingRecipeState``, with
-    the weight's power-of-2 and epsilon settings the modules set from
-    ``recipe.fp8_quant_fwd_weight``); None for any other recipe."""
-    current = getattr(recipe, "float8_current_scaling", None)
-    if current is None or not current():
-        return None
+    """The weight quantizer TE's modules make for ``recipe`` where a shard of
+    the weight can be quantized to the whole weight's bytes: a
+    ``Float8CurrentScaling`` recipe (``Float8CurrentScalingRecipeState``,
+    with the weight's power-of-2 and epsilon settings the modules set from
+    ``recipe.fp8_quant_fwd_weight``) or a ``Float8BlockScaling`` recipe with
+    2D weight blocks (``Float8BlockScalingRecipeState``, rowwise usage only:
+    a gathered 2D-block weight derives its columnwise form); None for any
+    other recipe."""
     import torch
 
-    settings = recipe.fp8_quant_fwd_weight
-    return Float8CurrentScalingQuantizer(get_fp8_te_dtype(recipe, True), torch.device("cuda"),
-                                         force_pow_2_scales=settings.power_2_scale,
-                                         amax_epsilon=settings.amax_epsilon)
+    settings = getattr(recipe, "fp8_quant_fwd_weight", None)
+    current, block = getattr(recipe, "float8_current_scaling", None), getattr(recipe, "float8_block_scaling", None)
+    if current is not None and current():
+        return Float8CurrentScalingQuantizer(get_fp8_te_dtype(recipe, True), torch.device("cuda"),
+                                             force_pow_2_scales=settings.power_2_scale,
+                                             amax_epsilon=settings.amax_epsilon)
+    if block is not None and block() and getattr(recipe, "w_block_scaling_dim", None) == 2:
+        return Float8BlockQuantizer(get_fp8_te_dtype(recipe, True), rowwise=True, columnwise=False,
+                                    amax_epsilon=settings.amax_epsilon, force_pow_2_scales=settings.power_2_scale,
+                                    block_scaling_dim=2)
+    return None
 
 
 def shard_amax(shard):
@@ -486,3 +497,43 @@ def refill_float8_weight(out, data, scale_inv) -> None:
     out._transpose = None
     out._transpose_invalid = True
     out._scale_inv.copy_(scale_inv)
+
+
+def block_quantize_rows(shard, quantizer):
+    """``(uint8 data, scale_inv)`` of ``shard``'s rows quantized in 2D blocks
+    by TE's own kernel (``quantizer``: a ``Float8BlockQuantizer`` with
+    ``block_scaling_dim=2``), rowwise usage only. Exact as the whole weight's
+    quantization where the shard's first row starts a block: every block
+    then lies in one shard. ``scale_inv`` has one row per 128-row block of
+    the shard and the block columns padded to a multiple of 4, as TE lays it
+    out."""
+    import torch
+
+    own = quantizer.copy()
+    own.set_usage(rowwise=True, columnwise=False)
+    own.internal = True
+    out = own.quantize(shard.contiguous())
+    return out._rowwise_data.view(torch.uint8), out._rowwise_scale_inv
+
+
+def block_weight(data, scale_inv, dtype, quantizer):
+    """The 2D-block FP8 weight TE's modules compute with, over gathered
+    ``data`` and the whole weight's ``scale_inv``: ``Float8BlockwiseQTensor``
+    with rowwise data only (TE's backward derives the columnwise form with
+    ``_create_columnwise``, a byte and scale transpose, where dgrad reads it)."""
+    own = quantizer.copy()
+    own.set_usage(rowwise=True, columnwise=False)
+    own.internal = False
+    return Float8BlockwiseQTensor(shape=data.shape, dtype=dtype, fp8_dtype=own.dtype, rowwise_data=data,
+                                  rowwise_scale_inv=scale_inv, columnwise_data=None, columnwise_scale_inv=None,
+                                  quantizer=own, is_2D_scaled=True, requires_grad=False, device=data.device)
+
+
+def refill_block_weight(out, data, scale_inv) -> None:
+    """Point the weight :func:`block_weight` made at a new gather's bytes and
+    scales, dropping the columnwise form derived from the previous gather."""
+    out._rowwise_data = data
+    out._rowwise_scale_inv.copy_(scale_inv)
+    out._columnwise_data = None
+    out._columnwise_scale_inv = None
+

@@ -6,7 +6,10 @@ the shards are uneven and one rank holds no rows of the 6-row weight), the
 same initial weights, each ``fully_shard``-ed: "stock", whose stand-in
 weight quantizer quantizes the gathered fp32 weight in every call (per-tensor
 FP8, the arithmetic of the stand-in's shard path), and "ours", set up for the
-quantized all-gather after ``fully_shard``. Each row is
+quantized all-gather after ``fully_shard``. The same with 2D blocks
+(Float8BlockScaling: 128x128 blocks) on Linears whose weights FSDP2 cuts on
+block boundaries or inside blocks (:data:`BLOCK_SHAPES`), and with a
+GroupedLinear of one parameter per expert. Each row is
 ``{case, what, expected, got, passed}``; the report goes to the path given.
 """
 
@@ -27,23 +30,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _pytest.monkeypatch import MonkeyPatch  # noqa: E402  (the stand-in's loader takes one)
 
 from _fake_te import TELinear, load_full_binding  # noqa: E402
-from _fake_te_gather import RECIPES, Fp8CurrentScalingQuantizer  # noqa: E402
+from _fake_te_gather import RECIPES, Fp8BlockScalingQuantizer, Fp8CurrentScalingQuantizer  # noqa: E402
+from _fake_te_grouped import TEGroupedLinear  # noqa: E402
 
 from tests.distributed._ranks import report, rows_of, run  # noqa: E402
 
 TI = load_full_binding(MonkeyPatch())
 SHAPES = ((16, 10), (10, 6), (6, 16))
+#: (in, out) of the block-scaled Linears: weights of 511 x 16 (cut on block
+#: boundaries at world 2 and 4, its last block partial in rows and columns
+#: alike), 256 x 511 (at world 2; inside a block at world 4) and 16 x 256
+#: (inside a block at both).
+BLOCK_SHAPES = ((16, 511), (511, 256), (256, 16))
+
+
+def _block_set_up(world: int) -> list[str]:
+    """The block-scaled weights whose shards start on block boundaries."""
+    rows = [out for _, out in BLOCK_SHAPES]
+    return [f"{i}.weight" for i, r in enumerate(rows) if world == 1 or -(-r // world) % 128 == 0]
 
 
 def _row(case: str, what: str, expected, got) -> dict:
     return {"case": case, "what": what, "expected": str(expected), "got": str(got), "passed": expected == got}
 
 
-def _pair(mesh, reshard: bool):
+class Experts(nn.Module):
+    """A GroupedLinear of two experts (one parameter each) with a fixed split of the 5 rows of a batch."""
+
+    def __init__(self, features: int, seed: int) -> None:
+        super().__init__()
+        self.grouped = TEGroupedLinear(2, features, features, seed=seed)
+        self.grouped.quantizers = [Fp8CurrentScalingQuantizer() for _ in range(2)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.grouped(x, [3, 2])
+
+
+def _layers(kind: str) -> list[nn.Module]:
+    if kind == "grouped":
+        layers = [TELinear(16, 16, seed=0), Experts(16, seed=1), TELinear(16, 16, seed=2)]
+        for layer in layers[::2]:
+            layer.quantizer, layer.calls = Fp8CurrentScalingQuantizer(), None
+        return layers
+    shapes, quantizer = (BLOCK_SHAPES, Fp8BlockScalingQuantizer) if kind == "block" else (SHAPES, Fp8CurrentScalingQuantizer)
+    layers = [TELinear(i, o, seed=n) for n, (i, o) in enumerate(shapes)]
+    for layer in layers:
+        layer.quantizer, layer.calls = quantizer(), None
+    return layers
+
+
+def _pair(mesh, reshard: bool, kind: str = "current"):
     """(stock, ours): drop-in models with the same weights, both sharded."""
-    base = nn.Sequential(*(TELinear(i, o, seed=n) for n, (i, o) in enumerate(SHAPES)))
-    for layer in base:
-        layer.quantizer, layer.calls = Fp8CurrentScalingQuantizer(), None
+    base = nn.Sequential(*_layers(kind))
     stock, ours = (TI.modules.convert_model(copy.deepcopy(base)) for _ in range(2))
     for model in (stock, ours):
         for layer in model:
@@ -73,25 +111,32 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return getattr(local, "_hp", local)
 
 
-def parity_rows(mesh, reshard: bool, microbatches: int) -> list[dict]:
+#: Per kind of model: its recipe and the weights set up at a world size.
+KINDS = {"current": (RECIPES.current, lambda world: ["0.weight", "1.weight", "2.weight"]),
+         "block": (RECIPES.block, _block_set_up),
+         "grouped": (RECIPES.current, lambda world: ["0.weight", "1.grouped.weight0", "1.grouped.weight1", "2.weight"])}
+
+
+def parity_rows(mesh, reshard: bool, microbatches: int, kind: str = "current") -> list[dict]:
     """Outputs, sharded gradients and weights bit-exact with stock over 3
     steps, AdamW; every shard made once per step by the step task, none in
     the all-gather hook after the first, one reduction per step."""
-    case = f"parity reshard={reshard} mb={microbatches}"
-    stock, ours = _pair(mesh, reshard)
-    setup = TI.gather.enable_quantized_gather(ours, RECIPES.current())
-    rows = [_row(case, "weights set up", ["0.weight", "1.weight", "2.weight"],
-                 [f"{c.module}.{c.weight}" for c in setup.set_up])]
+    case = f"parity reshard={reshard} mb={microbatches}" + ("" if kind == "current" else f" {kind}")
+    recipe, expected = KINDS[kind]
+    stock, ours = _pair(mesh, reshard, kind)
+    setup = TI.gather.enable_quantized_gather(ours, recipe())
+    weights = expected(dist.get_world_size())
+    rows = [_row(case, "weights set up", weights, [f"{c.module}.{c.weight}" for c in setup.set_up])]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (stock, ours)]
     got = [_train(m, o, 3, microbatches) for m, o in zip((stock, ours), opts)]
     rows.append(_row(case, "outputs equal stock's", True, all(torch.equal(a, b) for a, b in zip(*got))))
     same = [n for (n, p), q in zip(ours.named_parameters(), stock.parameters()) if not torch.equal(_plain(p), _plain(q))]
     rows.append(_row(case, "weights after 3 steps equal stock's", [], same))
     counts = setup.state.counts()
-    rows.append(_row(case, "refreshes, shards made by them, made in a hook", (3, 9, 3),
+    rows.append(_row(case, "refreshes, shards made by them, made in a hook", (3, 3 * len(weights), len(weights)),
                      (counts.refreshes, counts.refreshed_shards, counts.hook_remakes)))
     world = dist.get_world_size()
-    rows.append(_row(case, "reductions: the first gathers' and one per step", 3 * (world > 1) + 3 * (world > 1),
+    rows.append(_row(case, "reductions: the first gathers' and one per step", len(weights) * (world > 1) + 3 * (world > 1),
                      counts.reductions))
     return rows
 
@@ -149,12 +194,18 @@ def fallback_rows(mesh) -> list[dict]:
     weight left out with the plan's reason, or this binding's."""
     rows = []
     for recipe, words in ((RECIPES.delayed(), "float8_delayed_scaling does not quantize a shard"),
-                          (RECIPES.block(), "no shard quantizer for Float8BlockScaling")):
+                          (RECIPES.mxfp8(), "mxfp8 does not quantize a shard")):
         _, ours = _pair(mesh, True)
         setup = TI.gather.enable_quantized_gather(ours, recipe)
         reasons = {words in c.reason for c in setup.choices}
         rows.append(_row(f"fallback {type(recipe).__name__}", "nothing set up, the reason named",
                          (0, None, {True}), (len(setup.set_up), setup.state, reasons)))
+    _, ours = _pair(mesh, True, "block")
+    setup = TI.gather.enable_quantized_gather(ours, RECIPES.block())
+    cut = [f"{c.module}.{c.weight}" for c in setup.left_out if "inside its 128-row blocks" in c.reason]
+    everything = [f"{i}.weight" for i in range(len(BLOCK_SHAPES))]
+    rows.append(_row("fallback Float8BlockScaling", "weights whose shards cut a block left out, the reason named",
+                     [w for w in everything if w not in _block_set_up(dist.get_world_size())], cut))
     _, ours = _pair(mesh, True)
     ours(_batch(0, 0))  # FSDP2's lazy init has run: too late
     try:
@@ -171,6 +222,8 @@ def main() -> int:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     cases = [lambda: parity_rows(mesh, True, 1), lambda: parity_rows(mesh, True, 4), lambda: parity_rows(mesh, False, 4),
+             lambda: parity_rows(mesh, True, 2, "block"), lambda: parity_rows(mesh, False, 2, "block"),
+             lambda: parity_rows(mesh, True, 2, "grouped"), lambda: parity_rows(mesh, False, 2, "grouped"),
              lambda: attribution_rows(mesh), lambda: without_the_step_task_rows(mesh), lambda: fallback_rows(mesh)]
     rows = rows_of(cases, lambda error: _row("setup", "no error", None, error))
     return report(Path(out_path), {"rank": dist.get_rank(), "rows": rows})

@@ -1,24 +1,34 @@
 """torchrun worker: the quantized FSDP2 all-gather (docs/decisions.md, D13)
-against stock TE with bf16 parameters, Float8CurrentScaling.
+against stock TE with bf16 parameters, Float8CurrentScaling and
+Float8BlockScaling (2D weight blocks).
 
 ``torchrun --nproc_per_node=N tests/gpu/_quantized_gather.py OUT.json``
 writes one report (``test_quantized_gather.py`` reads it):
 
-* ``bytes``: the binding's shard path (``_compat.shard_amax`` and
-  ``cast_with_amax``, the amax not reduced: one rank's whole weight) against
-  TE's ``Float8CurrentScalingQuantizer`` on the same weight: FP8 bytes and
-  scale_inv, for several shapes, an all-zero weight and one of tiny values.
-* ``configs``: two layers of Linear, LayerNormLinear or LayerNormMLP, bf16
-  parameters, each layer and the root ``fully_shard``-ed; stock TE modules
-  against the drop-ins with ``enable_quantized_gather`` (the FSDP2 policy
-  pinned with ``QuantizedGather.ON``, so that it is set up at world size 1
-  too); 1 and 4 microbatches, ``reshard_after_forward`` True and False,
-  AdamW and SGD, and ``torch.utils.checkpoint`` around each layer. Per
-  config: whether every microbatch's output and input gradient, every
-  step's sharded parameter gradients and the parameters after each step
-  equal stock's bit for bit (with the first difference where not), the
-  shard state's counts, and the bytes FSDP2's all-gathers handed each rank
-  per step, for both models.
+* ``bytes``: the binding's shard path (per-tensor: ``_compat.shard_amax`` and
+  ``cast_with_amax``, the amax not reduced; 2D blocks:
+  ``block_quantize_rows``), on one rank's whole weight, against TE's own
+  weight quantizer of the recipe on the same weight: FP8 bytes and
+  scale_inv, and for blocks the columnwise data and scales TE's
+  ``_create_columnwise`` derives from the gathered weight against those TE
+  quantizes; for several shapes, an all-zero weight and one of tiny values.
+* ``configs``: two layers of Linear, LayerNormLinear, LayerNormMLP or
+  GroupedLinear (four experts, one parameter each), bf16 parameters, each
+  layer and the root ``fully_shard``-ed; stock TE modules against the
+  drop-ins with ``enable_quantized_gather`` (the FSDP2 policy pinned with
+  ``QuantizedGather.ON``, so that it is set up at world size 1 too); 1 and 4
+  microbatches, ``reshard_after_forward`` True and False, AdamW and SGD, and
+  ``torch.utils.checkpoint`` around each layer; DelayedScaling, which the
+  policy makes in the call, with 4 microbatches. Per config: whether every
+  microbatch's output and input gradient, every step's sharded parameter
+  gradients and the parameters after each step equal stock's bit for bit
+  (with the first difference where not), the shard state's counts, and the
+  bytes FSDP2's all-gathers handed each rank per step, for both models.
+* ``checkpoints``: per recipe, the drop-in model trained two steps with
+  AdamW and saved with ``torch.distributed.checkpoint`` (model and optimizer
+  state dicts), loaded into a stock TE model and its optimizer, then both
+  trained one more step: loaded weights, and the step's outputs, gradients
+  and weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,15 +44,34 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from testbed.dist import guard, run_worker  # noqa: E402
+from testbed.gather import GatheredBytes  # noqa: E402
 from testbed.recipes import make_recipe  # noqa: E402
 
-HIDDEN, FFN, TOKENS, STEPS = 256, 512, 64, 2
-KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP")
-CONFIGS = [dict(kind=k, microbatches=mb, reshard=r, optimizer=o, checkpoint=False)
-           for k in KINDS for mb in (1, 4) for r in (True, False) for o in ("adamw", "sgd")]
-CONFIGS += [dict(kind=k, microbatches=1, reshard=r, optimizer="adamw", checkpoint=True) for k in KINDS
-            for r in (True, False)]
-BYTE_SHAPES = ((256, 256), (96, 64), (16, 32), (512, 128))
+HIDDEN, FFN, TOKENS, STEPS, EXPERTS = 256, 512, 64, 2, 4
+KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+EXACT = ("Float8CurrentScaling", "Float8BlockScaling")
+CONFIGS = [dict(recipe=rc, kind=k, microbatches=mb, reshard=r, optimizer=o, checkpoint=False)
+           for rc in EXACT for k in KINDS for mb in (1, 4) for r in (True, False) for o in ("adamw", "sgd")]
+CONFIGS += [dict(recipe=rc, kind=k, microbatches=1, reshard=r, optimizer="adamw", checkpoint=True)
+            for rc in EXACT for k in KINDS for r in (True, False)]
+CONFIGS += [dict(recipe="DelayedScaling", kind=k, microbatches=4, reshard=True, optimizer="adamw", checkpoint=False)
+            for k in KINDS]
+BYTE_SHAPES = ((256, 256), (96, 64), (16, 32), (512, 128), (384, 640), (200, 136))
+
+
+class Experts(torch.nn.Module):
+    """A ``GroupedLinear`` of :data:`EXPERTS` experts, one parameter each,
+    the tokens split evenly (its parameters: ``experts.weight0`` ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        self.experts = te.GroupedLinear(EXPERTS, HIDDEN, HIDDEN, bias=False, params_dtype=torch.bfloat16,
+                                        device="cuda")
+
+    def forward(self, x):
+        return self.experts(x, [x.shape[0] // EXPERTS] * EXPERTS)
 
 
 def _layer(kind: str):
@@ -53,6 +82,8 @@ def _layer(kind: str):
         return te.Linear(HIDDEN, HIDDEN, bias=True, **common)
     if kind == "LayerNormLinear":
         return te.LayerNormLinear(HIDDEN, HIDDEN, bias=True, **common)
+    if kind == "GroupedLinear":
+        return Experts()
     return te.LayerNormMLP(HIDDEN, FFN, **common)
 
 
@@ -79,7 +110,8 @@ def build(kind: str, managed: bool, reshard: bool, checkpoint: bool):
     if managed:
         ti.convert_model(model)
         for layer in model:
-            ti.set_workspace_policy(layer, FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.ON))
+            drop_in = getattr(layer, "experts", layer)
+            ti.set_workspace_policy(drop_in, FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.ON))
     for layer in model:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
@@ -92,8 +124,8 @@ def _optimizer(name: str, model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _data(step: int, mb: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(100 * step + mb + 7919 * dist.get_rank())
+def _data(step: int, mb: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(100 * step + mb + 7919 * dist.get_rank() + 100003 * seed)
     x = torch.randn(TOKENS, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16)
     return x.requires_grad_(True)
 
@@ -101,56 +133,6 @@ def _data(step: int, mb: int) -> torch.Tensor:
 def _local(t):
     t = t.to_local() if hasattr(t, "to_local") else t
     return getattr(t, "_hp", t)  # a wrapped local tensor: the plain one it holds
-
-
-class GatheredBytes:
-    """Bytes FSDP2's all-gathers hand each rank while active: at world size
-    > 1 the output of each all-gather collective; at world size 1, where
-    FSDP2 makes no collective, the all-gather input it copies in its place
-    (``FSDPParam.all_gather_inputs[0]``, read in ``wait_for_unshard``)."""
-
-    def __enter__(self):
-        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-        self.bytes, self._in_wait, self._saved = 0, False, []
-        self._patch(dist, "all_gather_into_tensor", self._counting_collective)
-        self._patch(dist, "all_gather_single", self._counting_collective)
-        self._patch(_fsdp_param_group.FSDPParamGroup, "wait_for_unshard", self._marking_wait)
-        self._patch(_fsdp_param.FSDPParam, "all_gather_inputs", self._counting_inputs)
-        return self
-
-    def _patch(self, owner, name, make) -> None:
-        if hasattr(owner, name):
-            original = owner.__dict__.get(name, getattr(owner, name))
-            self._saved.append((owner, name, original))
-            setattr(owner, name, make(original))
-
-    def _counting_collective(self, original):
-        def call(output_tensor, *args, **kwargs):
-            self.bytes += output_tensor.numel() * output_tensor.element_size()
-            return original(output_tensor, *args, **kwargs)
-        return call
-
-    def _marking_wait(self, original):
-        def wait(group, *args, **kwargs):
-            self._in_wait = dist.get_world_size() == 1
-            try:
-                return original(group, *args, **kwargs)
-            finally:
-                self._in_wait = False
-        return wait
-
-    def _counting_inputs(self, original):
-        def inputs(fsdp_param):
-            out = original.fget(fsdp_param)
-            if self._in_wait:
-                self.bytes += out[0].numel() * out[0].element_size()
-            return out
-        return property(inputs)
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
 
 
 def _first_difference(label: str, ours: list, stock: list) -> str | None:
@@ -163,17 +145,18 @@ def _first_difference(label: str, ours: list, stock: list) -> str | None:
     return None
 
 
-def _train(model, recipe, cfg: dict) -> dict:
+def _train(model, recipe, cfg: dict, opt=None) -> dict:
     """Outputs, input gradients, sharded gradients, parameters and gathered
-    bytes per step, over ``STEPS`` steps of ``cfg``'s microbatches."""
+    bytes per step, over ``cfg["steps"]`` (default ``STEPS``) steps of
+    ``cfg``'s microbatches, with ``opt`` (default: a new one of ``cfg``'s)."""
     import transformer_engine.pytorch as te
 
-    opt = _optimizer(cfg["optimizer"], model)
+    opt = _optimizer(cfg["optimizer"], model) if opt is None else opt
     got = {"outputs": [], "dgrads": [], "grads": [], "params": [], "bytes": []}
-    for step in range(STEPS):
+    for step in range(cfg.get("steps", STEPS)):
         with GatheredBytes() as counted:
             for mb in range(cfg["microbatches"]):
-                x = _data(step, mb)
+                x = _data(step, mb, cfg.get("seed", 0))
                 with te.autocast(recipe=recipe):
                     out = model(x)
                 out.float().pow(2).mean().backward()
@@ -188,11 +171,12 @@ def _train(model, recipe, cfg: dict) -> dict:
     return got
 
 
-def run_config(cfg: dict, recipe) -> dict:
+def run_config(cfg: dict) -> dict:
     import te_integration as ti
 
     from testbed.model import release_memory
 
+    recipe = make_recipe(cfg["recipe"])
     stock = build(cfg["kind"], False, cfg["reshard"], cfg["checkpoint"])
     theirs = _train(stock, recipe, cfg)
     del stock
@@ -213,33 +197,98 @@ def run_config(cfg: dict, recipe) -> dict:
     return result
 
 
-def byte_cases(recipe) -> list[dict]:
-    """The shard path's bytes and scale against TE's current-scaling quantizer, whole weights."""
-    from te_integration.te import _compat as te_compat
-
-    quantizer = te_compat.weight_quantizer_of(recipe)
-    quantizer.set_usage(rowwise=True, columnwise=False)
+def _weights_for_bytes() -> dict:
     weights = {f"{r}x{c}": torch.randn(r, c, device="cuda", dtype=torch.bfloat16) for r, c in BYTE_SHAPES}
     weights["zeros"] = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
     weights["tiny"] = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) * 1e-30
+    return weights
+
+
+def byte_cases(recipe_name: str) -> list[dict]:
+    """The shard path's bytes and scales against TE's weight quantizer of
+    the recipe, whole weights; for 2D blocks also the columnwise form the
+    gathered weight derives against the one TE quantizes."""
+    from te_integration.te import _compat as te_compat
+
+    recipe = make_recipe(recipe_name)
+    quantizer = te_compat.weight_quantizer_of(recipe)
     out = []
-    for name, weight in weights.items():
-        data, scale_inv = te_compat.cast_with_amax(weight, te_compat.shard_amax(weight), quantizer)
-        stock = quantizer.quantize(weight)
-        out.append({"weight": name, "data_equal": bool(torch.equal(data, stock._data.view(torch.uint8))),
-                    "scale_inv_equal": bool(torch.equal(scale_inv.reshape(1), stock._scale_inv.reshape(1))),
-                    "ours_scale_inv": float(scale_inv.reshape(-1)[0]), "stock_scale_inv": float(stock._scale_inv.reshape(-1)[0])})
+    for name, weight in _weights_for_bytes().items():
+        if recipe_name == "Float8CurrentScaling":
+            quantizer.set_usage(rowwise=True, columnwise=False)
+            data, scale_inv = te_compat.cast_with_amax(weight, te_compat.shard_amax(weight), quantizer)
+            stock = quantizer.quantize(weight)
+            row = {"data_equal": torch.equal(data, stock._data.view(torch.uint8)),
+                   "scale_inv_equal": torch.equal(scale_inv.reshape(1), stock._scale_inv.reshape(1))}
+        else:
+            row = _block_bytes(te_compat, quantizer, weight)
+        out.append({"recipe": recipe_name, "weight": name, **{k: bool(v) for k, v in row.items()}})
     return out
 
 
+def _block_bytes(te_compat, quantizer, weight) -> dict:
+    data, scale_inv = te_compat.block_quantize_rows(weight, quantizer)
+    both = quantizer.copy()
+    both.set_usage(rowwise=True, columnwise=True)
+    stock = both.quantize(weight)
+    blocks = (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
+    ours = te_compat.block_weight(data, scale_inv.clone(), torch.bfloat16, quantizer)
+    ours.update_usage(rowwise_usage=True, columnwise_usage=True)  # as TE's backward asks
+    return {"data_equal": torch.equal(data, stock._rowwise_data.view(torch.uint8)),
+            "scale_inv_equal": torch.equal(scale_inv[:, :blocks[1]], stock._rowwise_scale_inv[:, :blocks[1]]),
+            "columnwise_data_equal": torch.equal(ours._columnwise_data.view(torch.uint8),
+                                                 stock._columnwise_data.view(torch.uint8)),
+            "columnwise_scale_inv_equal": torch.equal(ours._columnwise_scale_inv[:, :blocks[0]],
+                                                      stock._columnwise_scale_inv[:, :blocks[0]])}
+
+
+def checkpoint_case(recipe_name: str, directory: str) -> dict:
+    """A DCP checkpoint the drop-in model wrote, loaded by stock TE: the
+    loaded weights, then one more step of both, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import te_integration as ti
+
+    recipe = make_recipe(recipe_name)
+    cfg = dict(kind="LayerNormMLP", microbatches=2, reshard=True, optimizer="adamw", checkpoint=False)
+    ours = build(cfg["kind"], True, True, False)
+    setup = ti.enable_quantized_gather(ours, recipe)
+    ours_opt = _optimizer("adamw", ours)
+    _train(ours, recipe, cfg, opt=ours_opt)
+    model_sd, optim_sd = get_state_dict(ours, ours_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    stock = build(cfg["kind"], False, True, False)
+    stock_opt = _optimizer("adamw", stock)
+    _train(stock, recipe, dict(cfg, microbatches=1), opt=stock_opt)  # optimizer state exists: the load fills it
+    model_sd, optim_sd = get_state_dict(stock, stock_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(stock, stock_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = [torch.equal(_local(a).detach(), _local(b).detach()) for a, b in zip(ours.parameters(), stock.parameters())]
+    go_on = dict(cfg, steps=1, seed=7)
+    theirs_next, ours_next = _train(stock, recipe, go_on, opt=stock_opt), _train(ours, recipe, go_on, opt=ours_opt)
+    return {"recipe": recipe_name, "set_up": [f"{c.module}.{c.weight}" for c in setup.set_up],
+            "loaded_equal": all(loaded),
+            "differences": [d for d in (_first_difference(k, ours_next[k], theirs_next[k])
+                                        for k in ("outputs", "dgrads", "grads", "params")) if d]}
+
+
 def body(report: dict) -> None:
+    import tempfile
+
     report["world_size"] = dist.get_world_size()
-    recipe = make_recipe("Float8CurrentScaling")
-    guard(report, "bytes", lambda: report.__setitem__("bytes", byte_cases(recipe)))
+    for name in EXACT:
+        guard(report, f"bytes {name}", lambda name=name: report["bytes"].extend(byte_cases(name)))
     for cfg in CONFIGS:
         where = "config " + ", ".join(f"{k}={v}" for k, v in cfg.items())
-        guard(report, where, lambda cfg=cfg: report["configs"].append(run_config(cfg, recipe)))
+        guard(report, where, lambda cfg=cfg: report["configs"].append(run_config(cfg)))
+    for name in EXACT:
+        holder = [tempfile.mkdtemp(prefix="dcp-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(holder)
+        guard(report, f"checkpoint {name}",
+              lambda name=name, d=holder[0]: report["checkpoints"].append(checkpoint_case(name, d)))
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(sys.argv[1], body, configs=[], bytes=[]))
+    sys.exit(run_worker(sys.argv[1], body, configs=[], bytes=[], checkpoints=[]))

@@ -8,7 +8,10 @@ the FP8 weight the stand-in's modules receive from the all-gather (TE's
 :class:`Fp8CurrentScalingQuantizer` is a stand-in weight quantizer of the
 same arithmetic for whole weights (stock's path: the bf16 gather quantized
 in the call), so that the two paths agree bit for bit exactly where the
-shard's scale is the whole weight's. The recipes are named as TE's.
+shard's scale is the whole weight's. The 2D-block format (Float8BlockScaling,
+128x128 blocks, one scale each) has the same three parts:
+:func:`block_quantize_rows`, :class:`GatheredBlock` and
+:class:`Fp8BlockScalingQuantizer`. The recipes are named as TE's.
 """
 
 from __future__ import annotations
@@ -75,6 +78,52 @@ class Fp8CurrentScalingQuantizer(Float8CurrentScalingQuantizer):
 Fp8CurrentScalingQuantizer.__module__ = "transformer_engine.pytorch.tensor.float8_tensor"
 
 
+BLOCK = 128
+
+
+def _block_grid(values: torch.Tensor) -> torch.Tensor:
+    """The amax of each 128x128 block of a 2-D tensor, blocks counted from its first row."""
+    rows, cols = values.shape
+    nbr, nbc = -(-rows // BLOCK), -(-cols // BLOCK)
+    padded = values.new_zeros(nbr * BLOCK, nbc * BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = values.detach().abs().float()
+    return padded.view(nbr, BLOCK, nbc, BLOCK).amax(dim=(1, 3))
+
+
+def _expand(grid: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+
+
+def block_quantize_rows(shard: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(uint8 data, scale_inv)`` of a shard whose rows start a block: one
+    scale per block, the block columns padded to a multiple of 4 (as TE)."""
+    amax = _block_grid(shard)
+    scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
+    data = _cast(shard, _expand(scale, *shard.shape)).view(torch.uint8)
+    scale_inv = torch.zeros(amax.shape[0], -(-amax.shape[1] // 4) * 4)
+    scale_inv[:, : amax.shape[1]] = 1.0 / scale
+    return data, scale_inv
+
+
+class Fp8BlockScalingQuantizer(Float8CurrentScalingQuantizer):
+    """Whole-weight 2D-block FP8 (stock's path), as :class:`Fp8CurrentScalingQuantizer`
+    is for per-tensor scaling; its capabilities are TE's 2D-block format's."""
+
+    block_scaling_dim = 2
+
+    def quantize(self, tensor, *, dtype=None):
+        if isinstance(tensor, QuantizedTensorStorage):
+            return super().quantize(tensor, dtype=dtype)
+        data, scale_inv = block_quantize_rows(tensor, self)
+        values = GatheredBlock(data, scale_inv, tensor.dtype, self).dequantize(torch.float32)
+        return Workspace(values if self.rowwise_usage else None,
+                         values.t().contiguous() if self.columnwise_usage else None, tensor, self)
+
+
+Fp8BlockScalingQuantizer.__module__ = "transformer_engine.pytorch.tensor.float8_blockwise_tensor"
+Fp8BlockScalingQuantizer.__qualname__ = "Float8BlockQuantizer"
+
+
 class GatheredFloat8(QuantizedTensorStorage, torch.Tensor):
     """Stands for TE's ``Float8Tensor`` made from FSDP2's gathered bytes:
     ``_data`` (uint8 rows), ``_transpose`` (uint8, derived on demand),
@@ -113,16 +162,20 @@ class GatheredFloat8(QuantizedTensorStorage, torch.Tensor):
         if layout == "TN":
             if self._data is None:
                 raise RuntimeError("general_gemm: the rowwise data the TN GEMM reads is missing")
-            return dequantized(self._data, self._scale_inv)
+            return self._values(self._data)
         if not self.get_usages()["columnwise"]:
             raise RuntimeError("general_gemm: the columnwise data the NN GEMM reads is missing")
-        return dequantized(self._transpose, self._scale_inv).t()
+        return self._values(self._transpose.t())
+
+    def _values(self, data: torch.Tensor) -> torch.Tensor:
+        """FP8 bytes of the weight's shape as float32 values."""
+        return dequantized(data, self._scale_inv)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        return dequantized(self._data, self._scale_inv).to(dtype or self.dtype)
+        return self._values(self._data).to(dtype or self.dtype)
 
     def _share(self) -> GatheredFloat8:
-        twin = GatheredFloat8(self._data, self._scale_inv, self.dtype, self._quantizer)
+        twin = type(self)(self._data, self._scale_inv, self.dtype, self._quantizer)
         twin._transpose, twin._transpose_invalid = self._transpose, self._transpose_invalid
         return twin
 
@@ -148,8 +201,31 @@ def refill_float8_weight(out, data, scale_inv) -> None:
     out._scale_inv.copy_(scale_inv)
 
 
+class GatheredBlock(GatheredFloat8):
+    """Stands for TE's ``Float8BlockwiseQTensor`` made from FSDP2's gathered
+    bytes: as :class:`GatheredFloat8`, with one scale per 128x128 block."""
+
+    def _values(self, data: torch.Tensor) -> torch.Tensor:
+        rows, cols = data.shape
+        grid = self._scale_inv[:, : -(-cols // BLOCK)]
+        return data.view(FP8).float() * _expand(grid, rows, cols)
+
+
+def block_weight(data, scale_inv, dtype, quantizer) -> GatheredBlock:
+    own = Fp8BlockScalingQuantizer()
+    own.set_usage(rowwise=True, columnwise=False)
+    return GatheredBlock(data, scale_inv, dtype, own)
+
+
+def refill_block_weight(out, data, scale_inv) -> None:
+    refill_float8_weight(out, data, scale_inv)
+
+
 def weight_quantizer_of(recipe) -> Any:
-    return Fp8CurrentScalingQuantizer() if type(recipe).__name__ == "Float8CurrentScaling" else None
+    name = type(recipe).__name__
+    if name == "Float8CurrentScaling":
+        return Fp8CurrentScalingQuantizer()
+    return Fp8BlockScalingQuantizer() if name == "Float8BlockScaling" else None
 
 
 def _recipe(name: str) -> type:
@@ -158,9 +234,11 @@ def _recipe(name: str) -> type:
 
 #: Stand-ins of TE's recipe classes, by their names (the binding reads the name and ``backward_override``).
 RECIPES = SimpleNamespace(current=_recipe("Float8CurrentScaling"), delayed=_recipe("DelayedScaling"),
-                          block=_recipe("Float8BlockScaling"))
+                          block=_recipe("Float8BlockScaling"), mxfp8=_recipe("MXFP8BlockScaling"))
 
 
 def compat_entries() -> dict[str, Any]:
     return {"shard_amax": shard_amax, "cast_with_amax": cast_with_amax, "float8_weight": float8_weight,
-            "refill_float8_weight": refill_float8_weight, "weight_quantizer_of": weight_quantizer_of}
+            "refill_float8_weight": refill_float8_weight, "weight_quantizer_of": weight_quantizer_of,
+            "block_quantize_rows": block_quantize_rows, "block_weight": block_weight,
+            "refill_block_weight": refill_block_weight}

@@ -232,6 +232,10 @@ def _files() -> dict[str, str]:
         "pytorch/tensor/float8_blockwise_tensor.py": """
             class Float8BlockQuantizer:
                 pass
+
+
+            class Float8BlockwiseQTensor:
+                pass
         """,
         "pytorch/tensor/utils.py": """
             def clear_columnwise_cache(tensor):

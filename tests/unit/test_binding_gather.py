@@ -17,13 +17,40 @@ def ti(monkeypatch):
 
 
 def test_weights_fsdp2_does_not_shard_and_kinds_it_does_not_gather_are_left_out_by_name(ti):
-    model = ti.modules.convert_model(nn.Sequential(TELinear(8, 8), TEGroupedLinear(2, 8, 8)))
+    model = ti.modules.convert_model(nn.Sequential(TELinear(8, 8), TEGroupedLinear(2, 8, 8),
+                                                   TEGroupedLinear(2, 8, 8, single_grouped_weight=True)))
     setup = ti.gather.enable_quantized_gather(model, RECIPES.current())
     assert setup.state is None and not setup.set_up
-    reasons = {c.module: c.reason for c in setup.left_out}
-    assert reasons["0"] == "not sharded by FSDP2 (call fully_shard first)"
-    assert reasons["1"].startswith("GroupedLinear is not gathered quantized by this binding yet")
+    reasons = {(c.module, c.weight): c.reason for c in setup.left_out}
+    assert set(reasons) == {("0", "weight"), ("1", "weight0"), ("1", "weight1"), ("2", "weight")}
+    assert reasons["0", "weight"] == "not sharded by FSDP2 (call fully_shard first)"
+    assert reasons["1", "weight1"] == "not sharded by FSDP2 (call fully_shard first)"
+    assert reasons["2", "weight"].startswith("GroupedLinear(single_grouped_weight=True): one grouped weight is not "
+                                             "gathered quantized by this binding yet")
     assert "left out (not sharded by FSDP2" in str(setup)
+
+
+def test_recipes_without_a_shard_quantizer_here_are_named(ti):
+    """The TE layer has shard quantizers for per-tensor current scaling and
+    2D blocks; any other recipe whose plan would make the workspace from the
+    shard is left out with this binding's reason."""
+    gather = ti.gather
+    assert gather._shard_format(gather.te.weight_quantizer_of(RECIPES.block()))[0].__class__.__name__ == \
+        "BlockScalingShards"
+    assert gather._shard_format(gather.te.weight_quantizer_of(RECIPES.current()))[0].__class__.__name__ == \
+        "CurrentScalingShards"
+    assert gather.te.weight_quantizer_of(RECIPES.delayed()) is None
+
+
+@pytest.mark.parametrize("rows, world, cut", [(256, 1, False), (200, 1, False), (256, 2, False), (511, 4, False),
+                                              (256, 4, True), (200, 2, True), (1536, 8, True)])
+def test_block_shards_must_start_on_block_boundaries(ti, rows, world, cut):
+    """2D blocks: a weight is set up only where FSDP2's shard boundaries
+    (ceil(rows / world) rows a rank) fall on 128-row block boundaries."""
+    refusal = ti.gather.BlockScalingShards.refusal((rows, 64), world)
+    assert (refusal is not None) == cut, refusal
+    if cut:
+        assert f"shards of {-(-rows // world)} over {world} ranks, inside its 128-row blocks" in refusal
 
 
 def test_the_model_must_be_a_module(ti):
