@@ -178,3 +178,15 @@ def gpu_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
             save(result, args.out, args.tag)
         dist.close()
     return 1 if result["errors"] else 0
+
+
+def print_plan(plan: Callable[..., list[Job]], args: argparse.Namespace) -> int:
+    """``--dry-run``: the configurations ``plan`` would measure at the
+    world size torchrun would give (1 without it), with their estimated
+    seconds; needs neither CUDA nor TE."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    jobs = plan(args, None, world, 141.0)
+    for job in jobs:
+        print(f"{job.label}  (about {job.estimate_s:.1f} s)")
+    print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s at world size {world}")
+    return 0

@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 
 from . import _harness as h
 from ._profile import differences_table
-from ._runner import Job, gpu_main
+from ._runner import Job, gpu_main, print_plan
 
 NAME = "moe_step"
 PARAMS = ("bf16", "quantized")
@@ -275,18 +274,10 @@ def memory_rows(case: str, variants: dict) -> list[dict]:
     return rows
 
 
-def dry_run(args: argparse.Namespace) -> int:
-    jobs = plan(args, None, int(os.environ.get("WORLD_SIZE", "1") or 1), 141.0)
-    for job in jobs:
-        print(f"{job.label}  (about {job.estimate_s:.1f} s)")
-    print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.dry_run:
-        return dry_run(args)
+        return print_plan(plan, args)
     rc = gpu_main(NAME, args, argv, plan, summarize)
     h.print_result(NAME, args.out, args.tag)
     return rc

@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import weakref
 from collections.abc import Sequence
 
 from . import _harness as h
-from ._runner import Job, gpu_main
+from ._runner import Job, gpu_main, print_plan
 
 NAME = "quantized_gather"
 STACKS = ("moe", "dense")
@@ -310,18 +309,10 @@ def memory_rows(case: str, variants: dict) -> list[dict]:
                         note="reported against bf16's: the quantized shard, 1 byte per parameter per rank")]
 
 
-def dry_run(args: argparse.Namespace) -> int:
-    jobs = plan(args, None, int(os.environ.get("WORLD_SIZE", "1") or 1), 141.0)
-    for job in jobs:
-        print(f"{job.label}  (about {job.estimate_s:.1f} s)")
-    print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.dry_run:
-        return dry_run(args)
+        return print_plan(plan, args)
     rc = gpu_main(NAME, args, argv, plan, summarize)
     h.print_result(NAME, args.out, args.tag)
     return rc
