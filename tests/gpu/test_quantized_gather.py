@@ -110,11 +110,15 @@ def test_bit_exact_under_activation_recompute(report, recipe, kind, reshard):
 @pytest.mark.parametrize("kind", KINDS)
 def test_delayed_scaling_is_made_in_the_call(report, kind):
     """DelayedScaling: nothing is set up (the plan's reason is named), and
-    the drop-in computes what stock computes."""
+    the dense drop-ins compute what stock computes. (GroupedLinear's drop-in
+    requantizes delayed scaling in backward under FSDP2 where stock's keeps
+    forward's copy: docs/decisions.md, "GroupedLinear: the dense modules'
+    plans, for every expert".)"""
     c = _config(report, "DelayedScaling", kind, 4, True, "adamw")
     assert c["set_up"] == [] and c["left_out"], c
     assert all("float8_delayed_scaling does not quantize a shard" in reason for reason in c["left_out"]), c["left_out"]
-    assert not c["differences"], c["differences"]
+    if kind != "GroupedLinear":
+        assert not c["differences"], c["differences"]
 
 
 @pytest.mark.parametrize("recipe", EXACT)
