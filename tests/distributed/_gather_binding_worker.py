@@ -217,6 +217,35 @@ def fallback_rows(mesh) -> list[dict]:
     return rows
 
 
+def checkpoint_rows(mesh, out_dir: Path) -> list[dict]:
+    """A DCP checkpoint of ours (model and AdamW state, after 2 steps) loads
+    into the model without the quantized gather (stock here), and one more
+    step of each gives the same outputs and weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    case = "checkpoint into stock"
+    stock, ours = _pair(mesh, True)
+    TI.gather.enable_quantized_gather(ours, RECIPES.current())
+    opts = {"stock": torch.optim.AdamW(stock.parameters(), lr=0.05), "ours": torch.optim.AdamW(ours.parameters(), lr=0.05)}
+    _train(ours, opts["ours"], 2, 2)
+    _train(stock, opts["stock"], 1, 1)  # other weights and moments than ours: the load must replace them
+    model_sd, optim_sd = get_state_dict(ours, opts["ours"])
+    path = str(out_dir / "binding-ckpt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    model_sd, optim_sd = get_state_dict(stock, opts["stock"])
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(stock, opts["stock"], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = [n for (n, p), q in zip(ours.named_parameters(), stock.parameters()) if not torch.equal(_plain(p), _plain(q))]
+    rows = [_row(case, "stock's weights after the load equal ours", [], loaded)]
+    outs = [_train(m, opts[k], 1, 2) for k, m in (("stock", stock), ("ours", ours))]
+    rows.append(_row(case, "the next step's outputs equal", True, all(torch.equal(a, b) for a, b in zip(*outs))))
+    after = [n for (n, p), q in zip(ours.named_parameters(), stock.parameters()) if not torch.equal(_plain(p), _plain(q))]
+    rows.append(_row(case, "the weights after it equal", [], after))
+    return rows
+
+
 def main() -> int:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
@@ -224,7 +253,8 @@ def main() -> int:
     cases = [lambda: parity_rows(mesh, True, 1), lambda: parity_rows(mesh, True, 4), lambda: parity_rows(mesh, False, 4),
              lambda: parity_rows(mesh, True, 2, "block"), lambda: parity_rows(mesh, False, 2, "block"),
              lambda: parity_rows(mesh, True, 2, "grouped"), lambda: parity_rows(mesh, False, 2, "grouped"),
-             lambda: attribution_rows(mesh), lambda: without_the_step_task_rows(mesh), lambda: fallback_rows(mesh)]
+             lambda: attribution_rows(mesh), lambda: without_the_step_task_rows(mesh), lambda: fallback_rows(mesh),
+             lambda: checkpoint_rows(mesh, Path(out_path).parent)]
     rows = rows_of(cases, lambda error: _row("setup", "no error", None, error))
     return report(Path(out_path), {"rank": dist.get_rank(), "rows": rows})
 
