@@ -39,7 +39,6 @@ class GatheredBytes:
         from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
         self._dist = dist
-
         self.bytes, self._in_wait, self._saved = 0, False, []
         self._patch(dist, "all_gather_into_tensor", self._counting_collective)
         self._patch(_fsdp_param_group.FSDPParamGroup, "wait_for_unshard", self._marking_wait)
