@@ -88,14 +88,26 @@ def _layer(kind: str):
 
 
 class Layers(torch.nn.Sequential):
-    """The layers in turn, each under ``torch.utils.checkpoint`` where asked."""
+    """The layers in turn, each under ``torch.utils.checkpoint`` where asked.
+    A checkpointed layer enters ``te.autocast`` itself: torch's checkpoint
+    recomputes it inside backward, outside the caller's ``te.autocast``, and
+    TE's FP8 state must be the forward's there too (``te.checkpoint`` does
+    this for TE's own checkpoint)."""
 
     checkpoint = False
+    recipe = None
 
     def forward(self, x):
         for layer in self:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpoint else layer(x)
+            x = torch.utils.checkpoint.checkpoint(self._under_autocast, layer, x, use_reentrant=False) \
+                if self.checkpoint else layer(x)
         return x
+
+    def _under_autocast(self, layer, x):
+        import transformer_engine.pytorch as te
+
+        with te.autocast(recipe=self.recipe):
+            return layer(x)
 
 
 def build(kind: str, managed: bool, reshard: bool, checkpoint: bool):
@@ -153,6 +165,7 @@ def _train(model, recipe, cfg: dict, opt=None) -> dict:
 
     opt = _optimizer(cfg["optimizer"], model) if opt is None else opt
     got = {"outputs": [], "dgrads": [], "grads": [], "params": [], "bytes": []}
+    model.recipe = recipe
     for step in range(cfg.get("steps", STEPS)):
         with GatheredBytes() as counted:
             for mb in range(cfg["microbatches"]):
@@ -280,7 +293,8 @@ def body(report: dict) -> None:
     report["world_size"] = dist.get_world_size()
     for name in EXACT:
         guard(report, f"bytes {name}", lambda name=name: report["bytes"].extend(byte_cases(name)))
-    for cfg in CONFIGS:
+    only = os.environ.get("TE_WM_GATHER_ONLY")  # e.g. "checkpoint": the configs with that key true
+    for cfg in [c for c in CONFIGS if not only or c.get(only)]:
         where = "config " + ", ".join(f"{k}={v}" for k, v in cfg.items())
         guard(report, where, lambda cfg=cfg: report["configs"].append(run_config(cfg)))
     for name in EXACT:
