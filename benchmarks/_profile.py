@@ -10,7 +10,10 @@ import cProfile
 import pstats
 from collections.abc import Callable
 
-__all__ = ["profile_step", "kernel_profile", "count_kernels", "differences_table", "largest_differences"]
+from ._harness import ratio_row
+
+__all__ = ["profile_step", "kernel_profile", "count_kernels", "differences_table", "largest_differences",
+           "profile_rows", "profile_tables"]
 
 #: Folders whose name starts a function's label (the rest of the path is
 #: the machine's, not the project's).
@@ -112,3 +115,25 @@ def differences_table(title: str, stock: dict, dropin: dict, *, what: str, top: 
     note = (f"{what} in one profiled step: stock {fmt(total_s)}, drop-in {fmt(total_d)}, added "
             f"{fmt(total_d - total_s, '+')}; the {top} largest differences.")
     return {"title": title, "columns": ["name", "stock", "drop-in", "added"], "rows": rows, "note": note}
+
+
+def profile_rows(sample: dict) -> list[dict]:
+    case, p = sample["case"], sample["profile"]
+    st, dr = p["stock"], p["dropin"]
+    return [ratio_row(case, "CUDA kernels per step", "", st["kernels"], dr["kernels"], limit=1.0),
+            ratio_row(case, "kernel launch calls per step", "", st["launch_calls"], dr["launch_calls"], limit=None),
+            ratio_row(case, "GPU busy per step (kernels' summed time)", "ms", st["busy_ms"], dr["busy_ms"],
+                        limit=None),
+            ratio_row(case, "Python-level calls per step", "", st["python_calls"], dr["python_calls"], limit=None)]
+
+
+def profile_tables(sample: dict, top: int = 10) -> list[dict]:
+    """Where the drop-in's step differs from stock's: the kernels whose
+    counts and GPU times differ most, and the functions whose Python-level
+    call counts do (a table only where the sample holds its figures)."""
+    st, dr, case = sample["profile"]["stock"], sample["profile"]["dropin"], sample["case"]
+    tables = [("by_kernel", "kernels per step", "CUDA kernels", 0), ("busy_by", "GPU time per kernel (ms per step)",
+                                                                      "GPU busy ms", 2),
+              ("calls", "Python-level calls per step", "Python-level calls", 0)]
+    return [differences_table(f"{case}: {title}, drop-in against stock", st[key], dr[key], what=what, top=top,
+                              digits=digits) for key, title, what, digits in tables if key in st and key in dr]

@@ -44,7 +44,7 @@ import sys
 from collections.abc import Sequence
 
 from . import _harness as h
-from ._profile import differences_table
+from ._profile import profile_rows, profile_tables
 from ._runner import Job, gpu_main, print_plan
 
 NAME = "moe_step"
@@ -227,28 +227,6 @@ def timing_rows(sample: dict) -> list[dict]:
     limit = TIME_LIMIT[1] if spec["micro"] == 1 else TIME_LIMIT["more"]
     return rows + [h.time_row(case, t["stock"], t["dropin"], limit=limit),
                    h.control_row(case, t["stock"], t["stock_again"])]
-
-
-def profile_rows(sample: dict) -> list[dict]:
-    case, p = sample["case"], sample["profile"]
-    st, dr = p["stock"], p["dropin"]
-    return [h.ratio_row(case, "CUDA kernels per step", "", st["kernels"], dr["kernels"], limit=1.0),
-            h.ratio_row(case, "kernel launch calls per step", "", st["launch_calls"], dr["launch_calls"], limit=None),
-            h.ratio_row(case, "GPU busy per step (kernels' summed time)", "ms", st["busy_ms"], dr["busy_ms"],
-                        limit=None),
-            h.ratio_row(case, "Python-level calls per step", "", st["python_calls"], dr["python_calls"], limit=None)]
-
-
-def profile_tables(sample: dict, top: int = 10) -> list[dict]:
-    """Where the drop-in's step differs from stock's: the kernels whose
-    counts and GPU times differ most, and the functions whose Python-level
-    call counts do (a table only where the sample holds its figures)."""
-    st, dr, case = sample["profile"]["stock"], sample["profile"]["dropin"], sample["case"]
-    tables = [("by_kernel", "kernels per step", "CUDA kernels", 0), ("busy_by", "GPU time per kernel (ms per step)",
-                                                                      "GPU busy ms", 2),
-              ("calls", "Python-level calls per step", "Python-level calls", 0)]
-    return [differences_table(f"{case}: {title}, drop-in against stock", st[key], dr[key], what=what, top=top,
-                              digits=digits) for key, title, what, digits in tables if key in st and key in dr]
 
 
 def memory_rows(case: str, variants: dict) -> list[dict]:

@@ -21,6 +21,10 @@ and microbatch count:
            stepped in turn; the median of per-round ratios with its spread.
            Targets: gather / stock at most 0.97 with 4 microbatches and 1.00
            with 1.
+  profile  after the timed rounds, one more step of stock and of gather
+           under torch.profiler and cProfile (``benchmarks._profile``):
+           kernels, launches, GPU busy time and Python-level calls per step,
+           and the kernels and functions that differ most.
   bytes    one step of stock and of gather, counting the bytes FSDP2's
            all-gathers hand the rank (``testbed.gather.GatheredBytes``).
            Target: gather / stock at most 0.53.
@@ -48,17 +52,18 @@ import weakref
 from collections.abc import Sequence
 
 from . import _harness as h
+from ._profile import profile_rows, profile_tables
 from ._runner import Job, gpu_main, print_plan
 
 NAME = "quantized_gather"
 STACKS = ("moe", "dense")
-SECTIONS = ("timing", "bytes", "memory")
+SECTIONS = ("timing", "profile", "bytes", "memory")
 ORDER = ("stock", "dropin", "stock_again")
 DEFAULTS = {
     "stacks": (list(STACKS), ["moe"]),
     "recipes": (list(h.RECIPES), ["Float8CurrentScaling"]),
     "microbatches": ([1, 4], [4]),
-    "sections": (list(SECTIONS), list(SECTIONS)),
+    "sections": (["timing", "bytes", "memory"], ["timing", "bytes", "memory"]),
     "layers": (4, 2),
     "steps": (20, 4),
     "warmup": (3, 1),
@@ -168,8 +173,12 @@ def timed(case: Case, args: argparse.Namespace, dist) -> dict:
     from ._stack import Steps, paired
 
     builders = {label: (lambda v="dropin" if label == "dropin" else "stock": build(case, v)) for label in ORDER}
-    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=case.micro)
-    return paired(builders, case.recipe, lambda step: batches(case, step), steps, dist, optimizer=optimizer)
+    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps if "timing" in args.sections else 0,
+                  micro=case.micro)
+    profile = "profile" in args.sections
+    result = paired(builders, case.recipe, lambda step: batches(case, step), steps, dist, optimizer=optimizer,
+                    profile=profile, kernels=profile)
+    return result if "timing" in args.sections else {"profile": result["profile"]}
 
 
 def gathered(case: Case, args: argparse.Namespace) -> dict:
@@ -216,7 +225,7 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
     jobs = []
     for case in cases(args):
         meta = {"case": case.name(), "spec": dataclasses.asdict(case)}
-        if "timing" in args.sections:
+        if "timing" in args.sections or "profile" in args.sections:
             jobs.append(Job(label=f"[timing] {case.name()}", meta={**meta, "section": "timing"},
                             run=lambda c=case: timed(c, args, dist),
                             estimate_s=estimate_seconds(case, args.warmup + args.steps, len(ORDER))))
@@ -232,12 +241,16 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
 
 # -- summary (pure: samples in, rows out) -------------------------------------------
 def summarize(samples: list[dict], args=None) -> dict:
-    rows, timings, memories = [], [], {}
+    rows, timings, memories, tables = [], [], {}, []
     for s in samples:
         if s["section"] == "timing":
-            rows += timing_rows(s)
-            timings += [{"case": s["case"], "variant": {"dropin": "gather"}.get(label, label.replace("_", " ")),
-                         "samples_ms": [1e3 * v for v in times]} for label, times in s["step_time_s"].items()]
+            if "step_time_s" in s:
+                rows += timing_rows(s)
+                timings += [{"case": s["case"], "variant": {"dropin": "gather"}.get(label, label.replace("_", " ")),
+                             "samples_ms": [1e3 * v for v in times]} for label, times in s["step_time_s"].items()]
+            if s.get("profile"):
+                rows += profile_rows(s)
+                tables += profile_tables(s)
         elif s["section"] == "bytes":
             b = s["gathered_bytes"]
             rows.append(h.ratio_row(s["case"], "bytes all-gathered per step", "MiB", b["stock"] / h.MIB,
@@ -247,7 +260,7 @@ def summarize(samples: list[dict], args=None) -> dict:
     for case, variants in memories.items():
         rows += memory_rows(case, variants)
     sized = [s for s in samples if s["section"] == "bytes" and s.get("shard_bytes")]
-    tables = [projection_table(max(sized, key=lambda s: s["parameters"]))] if sized else []
+    tables += [projection_table(max(sized, key=lambda s: s["parameters"]))] if sized else []
     return {"rows": rows, "timings": timings, "tables": tables}
 
 

@@ -116,3 +116,20 @@ def test_the_projection_is_computed_from_the_measured_bytes_per_parameter():
 def test_no_projection_without_a_measured_shard():
     sample = gathered("moe 4L DelayedScaling x4", stock=16_000, gather=16_000, shard=0)
     assert qg.summarize([sample])["tables"] == []
+
+
+def test_a_profiled_step_gives_its_counts_and_what_differs_most():
+    """``--sections profile``: kernels, launches, GPU busy time and Python
+    calls per step, with the kernels and functions that differ most."""
+    def counts(kernels: int, calls: dict) -> dict:
+        return {"kernels": kernels, "launch_calls": kernels, "busy_ms": 10.0, "python_calls": sum(calls.values()),
+                "by_kernel": {"gemm": kernels}, "busy_by": {"gemm": 10.0}, "calls": calls}
+
+    case = "moe 4L Float8CurrentScaling x4"
+    sample = {"section": "timing", "case": case, "spec": {"micro": 4, "recipe": "Float8CurrentScaling"},
+              "profile": {"stock": counts(100, {"te:quantize": 8}), "dropin": counts(120, {"ours:refill": 64})}}
+    result = qg.summarize([sample])
+    kernels = row(result["rows"], case, "CUDA kernels per step")
+    assert (kernels["stock"], kernels["dropin"], kernels["ok"]) == (100, 120, False)
+    calls = [t for t in result["tables"] if "Python-level calls" in t["title"]]
+    assert calls and calls[0]["rows"][0][0] == "ours:refill"
