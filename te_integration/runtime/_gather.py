@@ -58,7 +58,7 @@ from ._state import state_of
 from ._step_hook import Step, step_task
 
 __all__ = ["enable_quantized_gather", "QuantizedGatherSetup", "GatherChoice", "CurrentScalingShards",
-           "Float8GatheredWeights", "BlockScalingShards", "BlockGatheredWeights"]
+           "BlockScalingShards", "GatheredWeights"]
 
 #: The weights each kind this binding gathers quantized computes with, by kind name
 #: (GroupedLinear's: one per expert, :func:`_weights_of`).
@@ -128,22 +128,27 @@ class CurrentScalingShards:
         return te.cast_with_amax(shard, statistic, self.quantizer)
 
 
-class Float8GatheredWeights:
+class GatheredWeights:
     """The gathered weight TE's modules compute with (a ``GatheredWeightFactory``):
-    TE's ``Float8Tensor`` over FSDP2's gathered bytes, with the recipe's
-    weight quantizer, rowwise data only (TE's backward derives the
-    transpose where dgrad reads it, and clears it after). Every later
-    gather refills the same tensor and drops the previous gather's transpose."""
+    TE's quantized tensor of the recipe over FSDP2's gathered bytes and the
+    whole weight's scales, rowwise data only (TE's backward derives the
+    columnwise form where dgrad reads it, and clears it after). ``build``
+    and ``refill`` are the TE layer's pair for the format
+    (:func:`te.float8_weight` and :func:`te.refill_float8_weight` for
+    per-tensor scaling, TE's ``Float8Tensor``; :func:`te.block_weight` and
+    :func:`te.refill_block_weight` for 2D blocks, ``Float8BlockwiseQTensor``).
+    Every later gather refills the same tensor and drops the columnwise form
+    derived from the previous gather."""
 
-    def __init__(self, quantizer: Any) -> None:
-        self.quantizer = quantizer
+    def __init__(self, quantizer: Any, build: Any, refill: Any) -> None:
+        self.quantizer, self._build, self._refill = quantizer, build, refill
 
     def make(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
              context: GatherContext) -> torch.Tensor:
-        return te.float8_weight(data, scale_inv.clone(), dtype, self.quantizer)
+        return self._build(data, scale_inv.clone(), dtype, self.quantizer)
 
     def refill(self, out: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, context: GatherContext) -> None:
-        te.refill_float8_weight(out, data, scale_inv)
+        self._refill(out, data, scale_inv)
 
 
 class BlockScalingShards:
@@ -200,31 +205,14 @@ class BlockScalingShards:
         return data, statistic.reshape(self._grid_shape(layout.full_shape)).clone()
 
 
-class BlockGatheredWeights:
-    """The gathered 2D-block weight TE's modules compute with (a
-    ``GatheredWeightFactory``): TE's ``Float8BlockwiseQTensor`` over FSDP2's
-    gathered bytes and the whole weight's block scales, rowwise data only;
-    TE's backward derives the columnwise form where dgrad reads it. Every
-    later gather refills the same tensor and drops the previous gather's
-    columnwise form."""
-
-    def __init__(self, quantizer: Any) -> None:
-        self.quantizer = quantizer
-
-    def make(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-             context: GatherContext) -> torch.Tensor:
-        return te.block_weight(data, scale_inv.clone(), dtype, self.quantizer)
-
-    def refill(self, out: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, context: GatherContext) -> None:
-        te.refill_block_weight(out, data, scale_inv)
-
-
 def _shard_format(quantizer: Any) -> tuple[Any, Any, Any]:
     """``(shard quantizer, factory, layout refusal)`` for a weight quantizer
     :func:`te.weight_quantizer_of` returned."""
     if getattr(quantizer, "block_scaling_dim", None) == 2:
-        return BlockScalingShards(quantizer), BlockGatheredWeights(quantizer), BlockScalingShards.refusal
-    return CurrentScalingShards(quantizer), Float8GatheredWeights(quantizer), lambda full_shape, world: None
+        return (BlockScalingShards(quantizer), GatheredWeights(quantizer, te.block_weight, te.refill_block_weight),
+                BlockScalingShards.refusal)
+    return (CurrentScalingShards(quantizer), GatheredWeights(quantizer, te.float8_weight, te.refill_float8_weight),
+            lambda full_shape, world: None)
 
 
 def enable_quantized_gather(model: torch.nn.Module, recipe: Any) -> QuantizedGatherSetup:
