@@ -23,12 +23,11 @@ reported, docs/decisions.md "te.ops"); median step time within 1% of stock's.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from . import _harness as h
-from ._runner import Job, gpu_main
+from ._runner import Job, gpu_main, print_plan
 
 NAME = "ops_memory"
 MODELS = ("ops_stack", "ops_mlp")
@@ -157,20 +156,10 @@ def summarize(samples: list[dict], args: argparse.Namespace | None = None) -> di
     return {"rows": rows, "timings": timings}
 
 
-def dry_run(args: argparse.Namespace) -> int:
-    """The configurations a run would measure; needs neither CUDA nor TE."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    jobs = plan(args, None, world, 141.0)
-    for job in jobs:
-        print(f"{job.label}  (about {job.estimate_s:.0f} s)")
-    print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s at world size {world}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.dry_run:
-        return dry_run(args)
+        return print_plan(plan, args)
     return gpu_main(NAME, args, argv, plan, summarize)
 
 
