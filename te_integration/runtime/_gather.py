@@ -189,7 +189,9 @@ class BlockScalingShards:
             data, scale_inv = te.block_quantize_rows(shard, self.quantizer)
             self._made[id(shard)] = (shard, data)
             first = layout.row_start // _BLOCK_ROWS
-            columns = min(grid.shape[1], scale_inv.shape[1])
+            # The weight's block columns only: TE leaves the padding columns
+            # (up to a multiple of 4) as allocated, and they would enter the reduction.
+            columns = -(-layout.full_shape[-1] // _BLOCK_ROWS)
             grid[first:first + scale_inv.shape[0], :columns] = scale_inv[:, :columns]
         return grid.reshape(-1)
 
