@@ -56,3 +56,32 @@ def test_block_shards_must_start_on_block_boundaries(ti, rows, world, cut):
 def test_the_model_must_be_a_module(ti):
     with pytest.raises(TypeError, match="enable_quantized_gather: model must be a torch.nn.Module"):
         ti.gather.enable_quantized_gather("model", RECIPES.current())
+
+
+def test_the_block_statistic_is_the_scale_grid_with_this_shard_s_rows_and_no_padding(ti, monkeypatch):
+    """A shard of rows 256-383 of a 511 x 300 weight fills grid row 2 with
+    its block scales; rows it does not hold stay zero, and so do the padding
+    columns TE leaves as allocated (here: 7.0), which would otherwise enter
+    the all-reduce."""
+    import torch
+
+    from workspace_manager.gather import ShardLayout
+
+    gather = ti.gather
+    real = gather.te.block_quantize_rows
+
+    def with_dirty_padding(shard, quantizer):
+        data, scale_inv = real(shard, quantizer)
+        scale_inv[:, 3:] = 7.0
+        return data, scale_inv
+
+    monkeypatch.setattr(gather.te, "block_quantize_rows", with_dirty_padding)
+    shards = gather.BlockScalingShards(gather.te.weight_quantizer_of(RECIPES.block()))
+    layout = ShardLayout.of((511, 300), rank=2, world=4)
+    shard = torch.randn(layout.rows, 300)
+    grid = shards.statistic(shard, layout).reshape(4, 4)
+    expected = real(shard, None)[1][:, :3]
+    assert torch.equal(grid[2, :3], expected[0]) and bool((grid[2, :3] > 0).all())
+    assert not grid[[0, 1, 3]].any() and not grid[:, 3].any()
+    data, scale_inv = shards.quantize(shard, grid.reshape(-1), layout)
+    assert torch.equal(scale_inv, grid) and data.shape == (layout.rows, 300)
