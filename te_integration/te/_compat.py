@@ -536,4 +536,3 @@ def refill_block_weight(out, data, scale_inv) -> None:
     out._rowwise_scale_inv.copy_(scale_inv)
     out._columnwise_data = None
     out._columnwise_scale_inv = None
-

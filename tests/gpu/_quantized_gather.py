@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from testbed.dist import guard, run_worker  # noqa: E402
-from testbed.gather import GatheredBytes  # noqa: E402
+from testbed.gather import GatheredBytes, enable_on  # noqa: E402
 from testbed.recipes import make_recipe  # noqa: E402
 
 HIDDEN, FFN, TOKENS, STEPS, EXPERTS = 256, 512, 64, 2, 4
@@ -111,19 +111,16 @@ class Layers(torch.nn.Sequential):
 
 
 def build(kind: str, managed: bool, reshard: bool, checkpoint: bool):
+    """Two layers of ``kind``, stock or converted to drop-ins, sharded; the
+    quantized gather is set up by the caller (``testbed.gather.enable_on``)."""
     import te_integration as ti
     from torch.distributed.fsdp import fully_shard
-
-    from workspace_manager import FSDP2WorkspacePolicy, QuantizedGather
 
     torch.manual_seed(0)
     model = Layers(*[_layer(kind) for _ in range(2)])
     model.checkpoint = checkpoint
     if managed:
         ti.convert_model(model)
-        for layer in model:
-            drop_in = getattr(layer, "experts", layer)
-            ti.set_workspace_policy(drop_in, FSDP2WorkspacePolicy(quantized_gather=QuantizedGather.ON))
     for layer in model:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
@@ -185,8 +182,6 @@ def _train(model, recipe, cfg: dict, opt=None) -> dict:
 
 
 def run_config(cfg: dict) -> dict:
-    import te_integration as ti
-
     from testbed.model import release_memory
 
     recipe = make_recipe(cfg["recipe"])
@@ -194,7 +189,7 @@ def run_config(cfg: dict) -> dict:
     theirs = _train(stock, recipe, cfg)
     del stock
     ours_model = build(cfg["kind"], True, cfg["reshard"], cfg["checkpoint"])
-    setup = ti.enable_quantized_gather(ours_model, recipe)
+    setup = enable_on(ours_model, recipe)
     weights = [p.numel() for c in setup.set_up for p in [ours_model.get_parameter(f"{c.module}.{c.weight}")]]
     ours = _train(ours_model, recipe, cfg)
     counts = setup.state.counts() if setup.state is not None else None
@@ -261,12 +256,10 @@ def checkpoint_case(recipe_name: str, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    import te_integration as ti
-
     recipe = make_recipe(recipe_name)
     cfg = dict(kind="LayerNormMLP", microbatches=2, reshard=True, optimizer="adamw", checkpoint=False)
     ours = build(cfg["kind"], True, True, False)
-    setup = ti.enable_quantized_gather(ours, recipe)
+    setup = enable_on(ours, recipe)
     ours_opt = _optimizer("adamw", ours)
     _train(ours, recipe, cfg, opt=ours_opt)
     model_sd, optim_sd = get_state_dict(ours, ours_opt)
