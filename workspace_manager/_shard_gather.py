@@ -54,10 +54,12 @@ When a shard is made
 from __future__ import annotations
 
 import enum
+import inspect
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -73,6 +75,7 @@ __all__ = [
     "ShardLayout",
     "QuantizedShard",
     "ShardQuantizer",
+    "BatchShardQuantizer",
     "GatheredWeightFactory",
     "ShardGatherWeight",
     "GatherCounts",
@@ -173,6 +176,23 @@ class ShardQuantizer(Protocol):
         """``(data, scale_inv)`` of the shard's ``layout.rows`` rows, scaled
         by the reduced ``statistic``; ``scale_inv`` must be the same on
         every rank."""
+        ...
+
+
+class BatchShardQuantizer(ShardQuantizer, Protocol):
+    """A :class:`ShardQuantizer` that also takes all the shards of a refresh
+    at once. A refresh remakes every weight a step wrote (a 32-expert
+    layer: 64 of them); where each call builds a framework's objects and
+    launches its own small kernels (TE: a quantizer, a scale kernel, a
+    cast), doing that once per refresh instead of once per shard is most
+    of the refresh's cost. Each method returns what the per-shard method
+    would for each shard, in order."""
+
+    def statistics(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
+        ...
+
+    def quantize_all(self, shards: Sequence[torch.Tensor], statistics: Sequence[torch.Tensor],
+                     layouts: Sequence[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ...
 
 
@@ -314,16 +334,11 @@ class ShardGatherWeight(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, link), out)
         return out
 
-    def fsdp_pre_all_gather(self, mesh: Any, orig_size: torch.Size, contiguous_orig_stride: Any,
-                            module: Any, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """FSDP2: the cached quantized shard (remade here if the shard was
-        written since), its scale and the pass as metadata."""
-        link = self._link
-        shard = _current_shard(self, mesh, tuple(orig_size), _cast_dtype(self, mp_policy))
-        state = link.state
-        if state is not None:
-            state._gathers += 1
-        return (shard.data,), (shard.scale_inv, shard.layout.full_shape, _gather_context(self))
+    @property
+    def fsdp_pre_all_gather(self) -> _PreAllGather:
+        """FSDP2: the cached quantized shard (remade if the shard was written
+        since), its scale and the pass as metadata (:class:`_PreAllGather`)."""
+        return _PreAllGather(self)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
@@ -331,13 +346,45 @@ class ShardGatherWeight(torch.Tensor):
         (the padding rows of an uneven shard left out)."""
         (data,) = all_gather_outputs
         scale_inv, full_shape, context = metadata
-        whole = data.view(torch.uint8)[: full_shape[0]]
+        if data.dtype is not torch.uint8:
+            data = data.view(torch.uint8)
+        whole = data if data.shape[0] == full_shape[0] else data[: full_shape[0]]
         if out is not None:
             self._link.factory.refill(out, whole, scale_inv, context)
             return None
         # FSDP2 frees and re-allocates the storage of what is returned here;
         # the gathered buffers only, never the cached shard or its scale.
         return self._link.factory.make(whole, scale_inv, param_dtype, context), all_gather_outputs
+
+
+class _PreAllGather:
+    """``ShardGatherWeight.fsdp_pre_all_gather`` of one local tensor.
+
+    FSDP2 reads the hook's signature (``inspect.signature``) at every
+    all-gather of every parameter, to choose how to call it. For a bound
+    method that means rebuilding the signature from the function's code,
+    about 20 us: more than the rest of a cached shard's gather, paid for
+    every weight in every forward and backward of every microbatch. This
+    object carries its signature ready (``__signature__``, which
+    ``inspect.signature`` returns as it is)."""
+
+    __slots__ = ("_local",)
+    __signature__ = inspect.Signature([
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in ("mesh", "orig_size", "contiguous_orig_stride", "module", "mp_policy")
+    ])
+
+    def __init__(self, local: ShardGatherWeight) -> None:
+        self._local = local
+
+    def __call__(self, mesh: Any, orig_size: torch.Size, contiguous_orig_stride: Any, module: Any,
+                 mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        local = self._local
+        shard = _current_shard(local, mesh, tuple(orig_size), _cast_dtype(local, mp_policy))
+        state = local._link.state
+        if state is not None:
+            state._gathers += 1
+        return (shard.data,), (shard.scale_inv, shard.layout.full_shape, _gather_context(local))
 
 
 def _bump_written(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -424,17 +471,53 @@ def _reduce_max(statistic: torch.Tensor, group: Any, world: int) -> None:
 
 def _make_shard(link: _Link, local: ShardGatherWeight, source: torch.Tensor, statistic: torch.Tensor,
                 layout: ShardLayout) -> QuantizedShard:
-    """Quantize ``source`` and pad its bytes to the rows every rank sends
-    (FSDP2 requires the padded size of an uneven shard; the padding rows are
-    dropped after the gather)."""
+    """Quantize ``source`` with the reduced ``statistic`` (:func:`_shard_of`)."""
     with torch.no_grad():
         data, scale_inv = link.quantizer.quantize(source, statistic, layout)
+    return _shard_of(link, local, data, scale_inv, layout)
+
+
+def _shard_of(link: _Link, local: ShardGatherWeight, data: torch.Tensor, scale_inv: torch.Tensor,
+              layout: ShardLayout) -> QuantizedShard:
+    """The shard of quantized ``data``, its bytes padded to the rows every
+    rank sends (FSDP2 requires the padded size of an uneven shard; the
+    padding rows are dropped after the gather)."""
+    if data.dtype is not torch.uint8:
         data = data.view(torch.uint8)
-        if data.shape[0] != layout.padded_rows:
-            padded = data.new_zeros((layout.padded_rows, *data.shape[1:]))
-            padded[: data.shape[0]].copy_(data)
-            data = padded
+    if data.shape[0] != layout.padded_rows:
+        padded = data.new_zeros((layout.padded_rows, *data.shape[1:]))
+        padded[: data.shape[0]].copy_(data)
+        data = padded
     return QuantizedShard(data, scale_inv, layout, link.writes, local._hp._version, weakref.ref(local._hp))
+
+
+def _by_quantizer(entries: list[_Entry]) -> list[tuple[Any, list[int]]]:
+    """``(quantizer, indices into entries)`` per distinct quantizer object, in first-seen order."""
+    found: dict[int, tuple[Any, list[int]]] = {}
+    for index, entry in enumerate(entries):
+        quantizer = entry.local._link.quantizer
+        found.setdefault(id(quantizer), (quantizer, []))[1].append(index)
+    return list(found.values())
+
+
+def _statistics(quantizer: Any, shards: list[torch.Tensor], layouts: list[ShardLayout]) -> list[torch.Tensor]:
+    if hasattr(quantizer, "statistics"):
+        return quantizer.statistics(shards, layouts)
+    return [quantizer.statistic(shard, layout) for shard, layout in zip(shards, layouts)]
+
+
+def _quantize_all(quantizer: Any, shards: list[torch.Tensor], statistics: list[torch.Tensor],
+                  layouts: list[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(quantizer, "quantize_all"):
+        return quantizer.quantize_all(shards, statistics, layouts)
+    return [quantizer.quantize(s, t, layout) for s, t, layout in zip(shards, statistics, layouts)]
+
+
+#: The four contexts, by (pass, whether FSDP2 keeps the forward gather for backward).
+_CONTEXTS = MappingProxyType({
+    (phase, keep): GatherContext(phase, Sharding.FSDP2_KEEP if keep else Sharding.FSDP2_RESHARD)
+    for phase in GatherPass for keep in (False, True)
+})
 
 
 def _gather_context(local: ShardGatherWeight) -> GatherContext:
@@ -449,8 +532,7 @@ def _gather_context(local: ShardGatherWeight) -> GatherContext:
         )
     group, _ = found
     phase = GatherPass.BACKWARD if group._training_state.name == "PRE_BACKWARD" else GatherPass.FORWARD
-    sharding = Sharding.FSDP2_KEEP if group.post_forward_mesh_info is None else Sharding.FSDP2_RESHARD
-    return GatherContext(phase, sharding)
+    return _CONTEXTS[phase, group.post_forward_mesh_info is None]
 
 
 def _fsdp_records(local: ShardGatherWeight) -> tuple[Any, Any] | None:
@@ -538,15 +620,28 @@ class ShardGatherState:
         return len(entries)
 
     def _refresh_group(self, entries: list[_Entry]) -> None:
+        """One group's refresh: every statistic (per quantizer, all its
+        shards at once where it is a :class:`BatchShardQuantizer`), one MAX
+        all-reduce of all of them, then every quantization."""
         with torch.no_grad():
             sources = [_source(e.local, e.dtype) for e in entries]
-            stats = [e.local._link.quantizer.statistic(s, e.layout) for e, s in zip(entries, sources)]
-            flat = torch.cat([s.reshape(-1).float() for s in stats])
+            layouts = [e.layout for e in entries]
+            batches = _by_quantizer(entries)
+            stats: list[Any] = [None] * len(entries)
+            for quantizer, index in batches:
+                made = _statistics(quantizer, [sources[i] for i in index], [layouts[i] for i in index])
+                for i, statistic in zip(index, made):
+                    stats[i] = statistic.reshape(-1) if statistic.dtype is torch.float32 else statistic.reshape(-1).float()
+            flat = torch.cat(stats)
             _reduce_max(flat, entries[0].group, entries[0].world)
             self._reductions += int(entries[0].world > 1)
-            for entry, source, part in zip(entries, sources, flat.split([s.numel() for s in stats])):
-                link = entry.local._link
-                link.shard = _make_shard(link, entry.local, source, part, entry.layout)
+            parts = flat.split([s.numel() for s in stats])
+            for quantizer, index in batches:
+                made = _quantize_all(quantizer, [sources[i] for i in index], [parts[i] for i in index],
+                                     [layouts[i] for i in index])
+                for i, (data, scale_inv) in zip(index, made):
+                    link = entries[i].local._link
+                    link.shard = _shard_of(link, entries[i].local, data, scale_inv, layouts[i])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Refresh the parameters ``optimizer`` holds after each of its steps

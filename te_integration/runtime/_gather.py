@@ -110,22 +110,30 @@ class QuantizedGatherSetup:
 
 
 class CurrentScalingShards:
-    """Float8CurrentScaling's shard quantization (a ``ShardQuantizer``),
+    """Float8CurrentScaling's shard quantization (a ``BatchShardQuantizer``),
     with TE's kernels: the shard's amax (``tex.compute_amax``), reduced
     with MAX over the shard group by the mechanism, is the whole weight's;
     the scale comes from it as TE's current-scaling scale does (fp8 max,
     the recipe's power-of-2 and epsilon settings), and the cast is TE's
-    scaled FP8 cast (``te_integration.te._compat``)."""
+    scaled FP8 cast (``te_integration.te._compat``). A refresh hands it all
+    its shards at once: one buffer of amaxes, one scale kernel for all."""
 
     def __init__(self, quantizer: Any) -> None:
         self.quantizer = quantizer
 
     def statistic(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        return te.shard_amax(shard)
+        return te.shard_amaxes([shard])[0]
 
     def quantize(self, shard: torch.Tensor, statistic: torch.Tensor,
                  layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        return te.cast_with_amax(shard, statistic, self.quantizer)
+        return te.cast_with_amaxes([shard], [statistic], self.quantizer)[0]
+
+    def statistics(self, shards: list[torch.Tensor], layouts: list[ShardLayout]) -> list[torch.Tensor]:
+        return te.shard_amaxes(shards)
+
+    def quantize_all(self, shards: list[torch.Tensor], statistics: list[torch.Tensor],
+                     layouts: list[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return te.cast_with_amaxes(shards, statistics, self.quantizer)
 
 
 class GatheredWeights:
@@ -138,14 +146,17 @@ class GatheredWeights:
     per-tensor scaling, TE's ``Float8Tensor``; :func:`te.block_weight` and
     :func:`te.refill_block_weight` for 2D blocks, ``Float8BlockwiseQTensor``).
     Every later gather refills the same tensor and drops the columnwise form
-    derived from the previous gather."""
+    derived from the previous gather. The weight reads its scales from the
+    cached shard's tensor, which no one writes (a refresh makes a new one),
+    as TE's own FP8 parameters hand their shard's scale to the gathered
+    weight: no copy at each gather."""
 
     def __init__(self, quantizer: Any, build: Any, refill: Any) -> None:
         self.quantizer, self._build, self._refill = quantizer, build, refill
 
     def make(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
              context: GatherContext) -> torch.Tensor:
-        return self._build(data, scale_inv.clone(), dtype, self.quantizer)
+        return self._build(data, scale_inv, dtype, self.quantizer)
 
     def refill(self, out: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor, context: GatherContext) -> None:
         self._refill(out, data, scale_inv)

@@ -444,39 +444,49 @@ def weight_quantizer_of(recipe) -> object | None:
     return None
 
 
-def shard_amax(shard):
-    """The amax of ``shard`` as TE's current scaling computes it
-    (``tex.compute_amax``), a float32 tensor of one element; 0 for a rank
-    whose shard has no rows."""
+def shard_amaxes(shards):
+    """The amax of each of ``shards`` as TE's current scaling computes it
+    (``tex.compute_amax``): float32 tensors of one element, views of one
+    buffer, as TE packs master weights' amaxes (``tensor/utils.py``,
+    ``_cast_master_weights_to_fp8_current_scaling``); 0 for a shard without rows."""
     import torch
 
-    amax = torch.zeros(1, dtype=torch.float32, device=shard.device)
-    if shard.numel():
-        tex.compute_amax(shard.contiguous(), amax)
-    return amax
+    if not shards:
+        return []
+    amaxes = list(torch.zeros(len(shards), dtype=torch.float32, device=shards[0].device).split(1))
+    for shard, amax in zip(shards, amaxes):
+        if shard.numel():
+            tex.compute_amax(shard.contiguous(), amax)
+    return amaxes
 
 
-def cast_with_amax(shard, amax, quantizer):
-    """``(uint8 data, scale_inv)`` of ``shard`` cast to FP8 with the scale of
-    the (reduced) ``amax``: the scale and its inverse from TE's kernel
-    (``multi_tensor_compute_scale_and_scale_inv``, with ``quantizer``'s FP8
-    format, power-of-2 and epsilon settings), then TE's scaled cast, as TE
-    casts FP8 master weights (``tensor/utils.py``,
+def cast_with_amaxes(shards, amaxes, quantizer):
+    """``(uint8 data, scale_inv)`` of each of ``shards`` cast to FP8 with the
+    scale of its (reduced) amax: the scales and their inverses from one call
+    of TE's ``multi_tensor_compute_scale_and_scale_inv`` for all of them
+    (``quantizer``'s FP8 format, power-of-2 and epsilon settings), then TE's
+    scaled cast of each, as TE casts FP8 master weights (``tensor/utils.py``,
     ``_cast_master_weights_to_fp8_current_scaling``)."""
     import torch
 
-    scale = torch.empty(1, dtype=torch.float32, device=shard.device)
-    scale_inv = torch.empty_like(scale)
-    overflow = torch.zeros(1, dtype=torch.int, device=shard.device)
+    if not shards:
+        return []
+    device = shards[0].device
+    scales = list(torch.empty(len(shards), dtype=torch.float32, device=device).split(1))
+    scale_invs = list(torch.empty(len(shards), dtype=torch.float32, device=device).split(1))
+    overflow = torch.zeros(1, dtype=torch.int, device=device)
     multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv, overflow,
-                         [[amax.reshape(1)], [scale], [scale_inv]], _FP8_MAX[quantizer.dtype],
+                         [[amax.reshape(1) for amax in amaxes], scales, scale_invs], _FP8_MAX[quantizer.dtype],
                          quantizer.force_pow_2_scales, quantizer.amax_epsilon)
-    data = torch.empty(shard.shape, dtype=torch.uint8, device=shard.device)
-    if shard.numel():
-        cast = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=quantizer.dtype, rowwise=True,
-                               columnwise=False)
-        cast.update_quantized(shard.contiguous(), cast.create_tensor_from_data(data, fake_dtype=shard.dtype))
-    return data, scale_inv
+    made = []
+    for shard, scale, scale_inv in zip(shards, scales, scale_invs):
+        data = torch.empty(shard.shape, dtype=torch.uint8, device=device)
+        if shard.numel():
+            cast = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=quantizer.dtype, rowwise=True,
+                                   columnwise=False)
+            cast.update_quantized(shard.contiguous(), cast.create_tensor_from_data(data, fake_dtype=shard.dtype))
+        made.append((data, scale_inv))
+    return made
 
 
 def float8_weight(data, scale_inv, dtype, quantizer):
@@ -496,7 +506,7 @@ def refill_float8_weight(out, data, scale_inv) -> None:
     out._data = data
     out._transpose = None
     out._transpose_invalid = True
-    out._scale_inv.copy_(scale_inv)
+    out._scale_inv = scale_inv
 
 
 def block_quantize_rows(shard, quantizer):
@@ -533,6 +543,6 @@ def refill_block_weight(out, data, scale_inv) -> None:
     """Point the weight :func:`block_weight` made at a new gather's bytes and
     scales, dropping the columnwise form derived from the previous gather."""
     out._rowwise_data = data
-    out._rowwise_scale_inv.copy_(scale_inv)
+    out._rowwise_scale_inv = scale_inv
     out._columnwise_data = None
     out._columnwise_scale_inv = None

@@ -5,8 +5,8 @@ Float8BlockScaling (2D weight blocks).
 ``torchrun --nproc_per_node=N tests/gpu/_quantized_gather.py OUT.json``
 writes one report (``test_quantized_gather.py`` reads it):
 
-* ``bytes``: the binding's shard path (per-tensor: ``_compat.shard_amax`` and
-  ``cast_with_amax``, the amax not reduced; 2D blocks:
+* ``bytes``: the binding's shard path (per-tensor: ``_compat.shard_amaxes`` and
+  ``cast_with_amaxes`` of all the weights at once, the amaxes not reduced; 2D blocks:
   ``block_quantize_rows``), on one rank's whole weight, against TE's own
   weight quantizer of the recipe on the same weight: FP8 bytes and
   scale_inv, and for blocks the columnwise data and scales TE's
@@ -221,10 +221,15 @@ def byte_cases(recipe_name: str) -> list[dict]:
     recipe = make_recipe(recipe_name)
     quantizer = te_compat.weight_quantizer_of(recipe)
     out = []
-    for name, weight in _weights_for_bytes().items():
+    weights = _weights_for_bytes()
+    if recipe_name == "Float8CurrentScaling":
+        # all the weights in one call, as a refresh casts them (one scale kernel for all)
+        shards = list(weights.values())
+        made = dict(zip(weights, te_compat.cast_with_amaxes(shards, te_compat.shard_amaxes(shards), quantizer)))
+    for name, weight in weights.items():
         if recipe_name == "Float8CurrentScaling":
             quantizer.set_usage(rowwise=True, columnwise=False)
-            data, scale_inv = te_compat.cast_with_amax(weight, te_compat.shard_amax(weight), quantizer)
+            data, scale_inv = made[name]
             stock = quantizer.quantize(weight)
             row = {"data_equal": torch.equal(data, stock._data.view(torch.uint8)),
                    "scale_inv_equal": torch.equal(scale_inv.reshape(1), stock._scale_inv.reshape(1))}

@@ -48,6 +48,16 @@ def cast_with_amax(shard: torch.Tensor, amax: torch.Tensor, quantizer: Any) -> t
     return _cast(shard, scale).view(torch.uint8), 1.0 / scale
 
 
+def shard_amaxes(shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """As the TE layer's: one element each, views of one buffer."""
+    packed = torch.stack([shard_amax(s).reshape(()) for s in shards]) if shards else torch.zeros(0)
+    return list(packed.split(1))
+
+
+def cast_with_amaxes(shards: list[torch.Tensor], amaxes: list[torch.Tensor], quantizer: Any) -> list:
+    return [cast_with_amax(s, a, quantizer) for s, a in zip(shards, amaxes)]
+
+
 def dequantized(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """FP8 bytes (uint8) as float32 values."""
     return data.view(FP8).float() * scale_inv.reshape(())
@@ -198,7 +208,7 @@ def float8_weight(data, scale_inv, dtype, quantizer) -> GatheredFloat8:
 
 def refill_float8_weight(out, data, scale_inv) -> None:
     out._data, out._transpose, out._transpose_invalid = data, None, True
-    out._scale_inv.copy_(scale_inv)
+    out._scale_inv = scale_inv
 
 
 class GatheredBlock(GatheredFloat8):
@@ -238,7 +248,7 @@ RECIPES = SimpleNamespace(current=_recipe("Float8CurrentScaling"), delayed=_reci
 
 
 def compat_entries() -> dict[str, Any]:
-    return {"shard_amax": shard_amax, "cast_with_amax": cast_with_amax, "float8_weight": float8_weight,
+    return {"shard_amaxes": shard_amaxes, "cast_with_amaxes": cast_with_amaxes, "float8_weight": float8_weight,
             "refill_float8_weight": refill_float8_weight, "weight_quantizer_of": weight_quantizer_of,
             "block_quantize_rows": block_quantize_rows, "block_weight": block_weight,
             "refill_block_weight": refill_block_weight}
