@@ -12,6 +12,7 @@ top level does not): import it where the gather is set up.
 """
 
 from ._shard_gather import (
+    BatchShardQuantizer,
     GatherContext,
     GatherCounts,
     GatheredWeightFactory,
@@ -29,6 +30,7 @@ from ._shard_gather import (
 __all__ = [
     # what a binding supplies
     "ShardQuantizer",
+    "BatchShardQuantizer",
     "GatheredWeightFactory",
     "ShardLayout",
     "GatherContext",

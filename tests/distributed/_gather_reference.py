@@ -62,6 +62,25 @@ class CurrentScaling:
         return _cast(shard, scale), (1.0 / scale).reshape(1)
 
 
+class BatchCurrentScaling(CurrentScaling):
+    """:class:`CurrentScaling` as a ``BatchShardQuantizer``: a refresh hands
+    it all its shards at once. Counts its batch calls (``batches``: statistics
+    and quantize_all calls, and the shards each took) and, as its base, every
+    shard quantized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, int]] = []
+
+    def statistics(self, shards, layouts):
+        self.batches.append(("statistics", len(shards)))
+        return [self.statistic(s, layout) for s, layout in zip(shards, layouts)]
+
+    def quantize_all(self, shards, statistics, layouts):
+        self.batches.append(("quantize_all", len(shards)))
+        return [self.quantize(s, t, layout) for s, t, layout in zip(shards, statistics, layouts)]
+
+
 class BlockScaling:
     """A scale per ``block x block`` tile of a 2-D weight; the statistic is
     the grid of block amaxes of the whole weight (zero where the shard has

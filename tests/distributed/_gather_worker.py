@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.distributed._gather_reference import (  # noqa: E402
-    BlockScaling, CurrentScaling, RefFactory, RefFloat8Weight, RefLinear, quantize_whole,
+    BatchCurrentScaling, BlockScaling, CurrentScaling, RefFactory, RefFloat8Weight, RefLinear, quantize_whole,
 )
 from tests.distributed._ranks import report, run  # noqa: E402
 from workspace_manager._errors import InvalidContextError  # noqa: E402
@@ -45,7 +45,7 @@ BATCH = 5
 
 @dataclass(frozen=True)
 class Config:
-    recipe: str = "current"  # or "block" (4x4 tiles, cut by shard boundaries)
+    recipe: str = "current"  # "current_batch" (the same, a BatchShardQuantizer), "block" (4x4 tiles, cut by shard boundaries)
     reshard: bool = True
     recompute: bool = False
     microbatches: int = 1
@@ -64,6 +64,7 @@ class Config:
 PARITY = [
     Config(),
     Config(microbatches=4, optimizer="adamw_fused"),
+    Config(recipe="current_batch", microbatches=4, optimizer="adamw_fused"),
     Config(reshard=False, microbatches=4, optimizer="sgd"),
     Config(recompute=True, microbatches=4),
     Config(reshard=False, recompute=True, optimizer="adamw_fused"),
@@ -106,7 +107,7 @@ WEIGHTS = [f"blocks.{i}.lin.weight" for i in range(len(SHAPES))]
 
 
 def new_quantizer(cfg: Config):
-    return CurrentScaling() if cfg.recipe == "current" else BlockScaling(4)
+    return {"current": CurrentScaling, "current_batch": BatchCurrentScaling}.get(cfg.recipe, lambda: BlockScaling(4))()
 
 
 def build_pair(cfg: Config, mesh, seed: int = 0):
@@ -246,6 +247,10 @@ def parity_rows(cfg: Config, mesh) -> list[dict]:
     rows.append(row(cfg.name, "amax reductions: one per refresh", cfg.steps + 1 if world > 1 else 0, counts.reductions))
     rows.append(usage_row(cfg, factory))
     rows.append(bytes_row(cfg, bytes_stock.bytes, bytes_ours.bytes, world))
+    if hasattr(quantizer, "batches"):
+        one = [("statistics", len(WEIGHTS)), ("quantize_all", len(WEIGHTS))]
+        rows.append(row(cfg.name, "a batch quantizer: one statistics and one quantize_all call per refresh, all weights",
+                        one * (cfg.steps + 1), quantizer.batches))
     return rows
 
 
