@@ -472,8 +472,11 @@ def cast_with_amaxes(shards, amaxes, quantizer):
     if not shards:
         return []
     device = shards[0].device
-    scales = list(torch.empty(len(shards), dtype=torch.float32, device=device).split(1))
-    scale_invs = list(torch.empty(len(shards), dtype=torch.float32, device=device).split(1))
+    # One tensor each, not views of one buffer: the GEMMs read scale_inv
+    # through a pointer cuBLAS requires aligned (16 bytes), which a view at
+    # an offset of 4 bytes is not ("the requested functionality is not supported").
+    scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in shards]
+    scale_invs = [torch.empty(1, dtype=torch.float32, device=device) for _ in shards]
     overflow = torch.zeros(1, dtype=torch.int, device=device)
     multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv, overflow,
                          [[amax.reshape(1) for amax in amaxes], scales, scale_invs], _FP8_MAX[quantizer.dtype],

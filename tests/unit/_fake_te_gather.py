@@ -168,7 +168,11 @@ class GatheredFloat8(QuantizedTensorStorage, torch.Tensor):
 
     def gemm_operand(self, layout: str) -> torch.Tensor:
         """The weight as a GEMM of ``layout`` reads it: rowwise for fprop
-        (TN), from the transpose for dgrad (NN)."""
+        (TN), from the transpose for dgrad (NN). As cuBLAS, it refuses a
+        scale it reads through a pointer not aligned to 16 bytes."""
+        if self._scale_inv.data_ptr() % 16:
+            raise RuntimeError("general_gemm: cuBLAS Error: the requested functionality is not supported "
+                               "(scale_inv is not aligned to 16 bytes)")
         if layout == "TN":
             if self._data is None:
                 raise RuntimeError("general_gemm: the rowwise data the TN GEMM reads is missing")
