@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import weakref
 from collections.abc import Sequence
@@ -72,6 +73,9 @@ DEFAULTS = {
 TIME_LIMIT = {1: 1.00, "more": 0.97}
 BYTES_LIMIT = 0.53
 LR = 1e-4
+#: TE picks deterministic attention kernels only where this is "0": without
+#: it the dense stack's losses differ run to run, stock against stock included.
+DETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 #: Models the table projects to: (name, parameters, layers), 4 microbatches, resharded after forward.
 PROJECTED = (("dense 70B-class (80 layers)", 70.6e9, 80), ("MoE 235B-class (94 layers)", 235e9, 94))
 PROJECTED_WORLDS = (8, 64)
@@ -302,13 +306,26 @@ def projection_table(sample: dict) -> dict:
 def timing_rows(sample: dict) -> list[dict]:
     case, spec, t, losses = sample["case"], sample["spec"], sample["step_time_s"], sample["losses"]
     limit = TIME_LIMIT[1] if spec["micro"] == 1 else TIME_LIMIT["more"]
-    rows = [h.check_row(case, "losses identical (stock again / stock)", losses["stock_again"] == losses["stock"],
-                        f"{len(losses['stock'])} losses")]
-    same = losses["dropin"] == losses["stock"]
+    comparable = spec["stack"] != "dense" or os.environ.get(DETERMINISTIC_ENV) == "0"
+    n = len(losses["stock"])
+    rows = [_losses_row(case, "losses identical (stock again / stock)", losses["stock_again"] == losses["stock"], n,
+                        comparable)]
     if spec["recipe"] != "DelayedScaling":
-        rows.append(h.check_row(case, "losses identical (gather / stock)", same, f"{len(losses['stock'])} losses"))
+        rows.append(_losses_row(case, "losses identical (gather / stock)", losses["dropin"] == losses["stock"], n,
+                                comparable))
     return rows + [h.time_row(case, t["stock"], t["dropin"], limit=limit),
                    h.control_row(case, t["stock"], t["stock_again"])]
+
+
+def _losses_row(case: str, metric: str, same: bool, n: int, comparable: bool) -> dict:
+    """A losses check; reported without a target where the stack's own
+    kernels may differ run to run (two stock models then differ too)."""
+    row = h.check_row(case, metric, same, f"{n} losses")
+    if not comparable:
+        row.update(ok=None, target="", note=f"{n} losses; no target: the dense stack's attention may run "
+                   f"nondeterministic kernels unless {DETERMINISTIC_ENV}=0, and then stock differs from stock "
+                   "too (tests/gpu/test_quantized_gather.py compares the dense kinds bit for bit)")
+    return row
 
 
 def memory_rows(case: str, variants: dict) -> list[dict]:

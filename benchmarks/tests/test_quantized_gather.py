@@ -20,10 +20,11 @@ from benchmarks import quantized_gather as qg  # noqa: E402
 MIB = 2**20
 
 
-def timing(case: str, micro: int, recipe: str, stock_ms: float, gather_ms: float, same_losses: bool = True) -> dict:
+def timing(case: str, micro: int, recipe: str, stock_ms: float, gather_ms: float, same_losses: bool = True,
+           stack: str = "moe") -> dict:
     t = {"stock": [stock_ms / 1e3] * 10, "dropin": [gather_ms / 1e3] * 10, "stock_again": [stock_ms / 1e3] * 10}
     losses = {"stock": [1.0, 0.5], "stock_again": [1.0, 0.5], "dropin": [1.0, 0.5] if same_losses else [1.0, 0.6]}
-    return {"section": "timing", "case": case, "spec": {"stack": "moe", "layers": 4, "recipe": recipe, "micro": micro},
+    return {"section": "timing", "case": case, "spec": {"stack": stack, "layers": 4, "recipe": recipe, "micro": micro},
             "step_time_s": t, "losses": losses}
 
 
@@ -74,6 +75,21 @@ def test_losses_are_compared_except_under_delayed_scaling():
     case = "moe 4L Float8BlockScaling x4"
     rows = qg.summarize([timing(case, 4, "Float8BlockScaling", 100.0, 96.0, same_losses=False)])["rows"]
     assert row(rows, case, "losses identical (gather / stock)")["ok"] is False
+
+
+@pytest.mark.parametrize("deterministic, met", [(None, None), ("1", None), ("0", False)])
+def test_the_dense_stack_s_losses_are_a_target_only_with_deterministic_kernels(monkeypatch, deterministic, met):
+    """Without NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 two stock dense models may
+    differ: the loss rows are reported with no target; with it, a difference is a miss."""
+    if deterministic is None:
+        monkeypatch.delenv(qg.DETERMINISTIC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(qg.DETERMINISTIC_ENV, deterministic)
+    case = "dense 4L Float8CurrentScaling x4"
+    rows = qg.summarize([timing(case, 4, "Float8CurrentScaling", 100.0, 96.0, same_losses=False, stack="dense")])["rows"]
+    found = row(rows, case, "losses identical (gather / stock)")
+    assert found["ok"] is met
+    assert (qg.DETERMINISTIC_ENV in found["note"]) is (met is None)
 
 
 @pytest.mark.parametrize("gather_bytes, met", [(8_480, True), (8_490, False)])
