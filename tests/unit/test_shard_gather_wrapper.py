@@ -179,3 +179,16 @@ def test_refresh_before_fully_shard_makes_nothing():
     with pytest.raises(ContextTypeError, match="expected a torch.optim.Optimizer"):
         state.attach(object())
     assert isinstance(_Link(_Never(), _Never(), state).fresh(), _Link)
+
+
+def test_fsdp2_reads_the_pre_all_gather_hook_s_signature_ready_made():
+    """FSDP2 calls ``inspect.signature`` on the hook at every all-gather and
+    accepts 1 or 5 parameters: the hook hands over its five-parameter
+    signature as it is, not rebuilt from the code at each call."""
+    import inspect
+
+    _, ours, _ = _pair()
+    local = ours[0].weight.data
+    first, second = inspect.signature(local.fsdp_pre_all_gather), inspect.signature(local.fsdp_pre_all_gather)
+    assert first is second
+    assert list(first.parameters) == ["mesh", "orig_size", "contiguous_orig_stride", "module", "mp_policy"]
