@@ -190,3 +190,21 @@ def print_plan(plan: Callable[..., list[Job]], args: argparse.Namespace) -> int:
         print(f"{job.label}  (about {job.estimate_s:.1f} s)")
     print(f"{len(jobs)} configuration(s), about {sum(j.estimate_s for j in jobs):.0f} s at world size {world}")
     return 0
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """``--time-budget`` and ``--dry-run``, the options of a benchmark that plans jobs."""
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="skip the remaining configurations once this much time has passed (recorded as skipped)")
+    p.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
+
+
+def run_main(name: str, args: argparse.Namespace, argv: Sequence[str] | None, plan: Callable[..., list[Job]],
+             summarize: Callable[[list[dict], argparse.Namespace], dict], extra_config: dict | None = None) -> int:
+    """A planned benchmark's ``main`` after parsing: ``--dry-run`` prints the
+    plan; otherwise :func:`gpu_main` runs it and rank 0's result is printed."""
+    if args.dry_run:
+        return print_plan(plan, args)
+    rc = gpu_main(name, args, argv, plan, summarize, extra_config=extra_config)
+    h.print_result(name, args.out, args.tag)
+    return rc

@@ -43,7 +43,7 @@ import sys
 from collections.abc import Sequence
 
 from . import _harness as h
-from ._runner import Job, gpu_main
+from ._runner import Job, add_plan_options, gpu_main
 from ._stack import Steps, paired as _paired, probe_model
 from .fsdp2_memory import losses_row, quantization_row
 
@@ -187,9 +187,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=h.positive_int, help="timed steps per model in the timing section")
     p.add_argument("--warmup", type=int, help="untimed steps per model before probing or timing")
     p.add_argument("--probes", type=h.positive_int, help="memory-probe steps per model")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="skip the remaining configurations once this much time has passed (recorded as skipped)")
-    p.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
+    add_plan_options(p)
     return p
 
 

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 from . import _harness as h
 from ._profile import profile_rows, profile_tables
-from ._runner import Job, gpu_main, print_plan
+from ._runner import Job, add_plan_options, run_main
 
 NAME = "quantized_gather"
 STACKS = ("moe", "dense")
@@ -105,9 +105,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=h.positive_int, help="layers of each stack (default 4)")
     p.add_argument("--steps", type=h.positive_int, help="timed rounds (default 20)")
     p.add_argument("--warmup", type=int, help="untimed rounds before timing, steps before a memory probe")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="skip the remaining configurations once this much time has passed (recorded as skipped)")
-    p.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
+    add_plan_options(p)
     return p
 
 
@@ -340,12 +338,7 @@ def memory_rows(case: str, variants: dict) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
-    if args.dry_run:
-        return print_plan(plan, args)
-    rc = gpu_main(NAME, args, argv, plan, summarize)
-    h.print_result(NAME, args.out, args.tag)
-    return rc
+    return run_main(NAME, parse(argv), argv, plan, summarize)
 
 
 if __name__ == "__main__":
