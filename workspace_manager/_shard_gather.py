@@ -12,10 +12,11 @@ The mechanism is FSDP2's all-gather extension. A sharded parameter whose
 local tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` has
 FSDP2 gather what the first returns and hand the result to the second:
 
-* :class:`ShardGatherWeight` is that local tensor: a wrapper around the plain
-  shard that passes every operation through to it (optimizer updates
-  included) and keeps the wrapper only through the steps FSDP2 itself takes
-  to shard and pad it.
+* :class:`ShardGatherWeight` is that local tensor: a subclass over the
+  plain shard's storage that passes every operation through to it
+  (optimizer updates included) and keeps the subclass only through the
+  steps FSDP2 itself takes to shard and pad it. Kernels that write the
+  local tensor's memory directly (TE's FusedAdam) write the shard.
 * ``fsdp_pre_all_gather`` returns the shard's quantized bytes, made by a
   :class:`ShardQuantizer` and cached until the shard changes. The scale is
   the same on every rank (see below), so it travels as metadata and only the
@@ -229,7 +230,7 @@ class _Link:
     so a copy never reads another tensor's shard, except as
     :func:`_carried_shard` allows."""
 
-    __slots__ = ("quantizer", "factory", "_state", "shard", "fsdp", "writes", "__weakref__")
+    __slots__ = ("quantizer", "factory", "_state", "shard", "fsdp", "writes", "placed", "__weakref__")
 
     def __init__(self, quantizer: ShardQuantizer, factory: GatheredWeightFactory, state: Any) -> None:
         self.quantizer = quantizer
@@ -238,6 +239,10 @@ class _Link:
         self.shard: QuantizedShard | None = None
         self.fsdp: tuple[Any, Any] | None = None  # (FSDPParamGroup, FSDPParam), found once
         self.writes = 0  # writes through any wrapper of this link
+        #: How the refresh last found the parameter placed: (mesh, placements,
+        #: shape, layout, group, world, dtype); the mesh lookups cost more than
+        #: a cached shard's gather, at every step for every weight (:func:`_entry`).
+        self.placed: tuple | None = None
 
     @property
     def state(self) -> ShardGatherState | None:
@@ -261,8 +266,9 @@ _NEW_STORAGE = frozenset({aten.new_zeros.default, aten.new_empty.default, aten._
 class ShardGatherWeight(torch.Tensor):
     """A high-precision tensor whose FSDP2 all-gather sends a quantized shard.
 
-    It holds the plain tensor (``_hp``) and behaves as it: every operation
-    runs on the plain tensor and returns plain tensors, except FSDP2's
+    It holds the plain tensor (``_hp``), shares its storage, and behaves as
+    it: every operation runs on the plain tensor and returns plain tensors,
+    except FSDP2's
     sharding steps (views, ``new_zeros``, ``copy_``) and in-place operations,
     which return the wrapper. An operation that writes the wrapper (an
     optimizer step, ``copy_``) counts a write on its link and moves the plain
@@ -277,10 +283,13 @@ class ShardGatherWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, hp: torch.Tensor, link: _Link) -> ShardGatherWeight:
-        return torch.Tensor._make_wrapper_subclass(
-            cls, hp.size(), strides=hp.stride(), storage_offset=hp.storage_offset(), dtype=hp.dtype,
-            layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad,
-        )
+        # An alias of the plain tensor's storage, not a storage-less wrapper:
+        # code that reaches the local tensor's memory below the dispatcher
+        # (TE's FusedAdam and apex step DTensor parameters through
+        # ``_local_tensor.data_ptr()``) then reads and writes the real
+        # weight. Such writes bypass the write count; the optimizer step hook
+        # remakes what a step wrote all the same.
+        return torch.Tensor._make_subclass(cls, hp, hp.requires_grad)
 
     def __init__(self, hp: torch.Tensor, link: _Link) -> None:
         self._hp = hp
@@ -392,6 +401,7 @@ def _bump_written(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
     its plain tensor's version counter: the op ran below autograd, which
     moves none (fused optimizers move none even on plain tensors), and views
     made there share no counter with their base, hence the link's count."""
+    moved = []
     for index, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
@@ -400,7 +410,9 @@ def _bump_written(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
             if isinstance(leaf, ShardGatherWeight):
                 leaf._link.writes += 1
                 if not leaf._hp.is_inference():
-                    torch.autograd.graph.increment_version(leaf._hp)
+                    moved.append(leaf._hp)
+    if moved:  # one call for a foreach or fused optimizer's whole list
+        torch.autograd.graph.increment_version(moved)
 
 
 def _carried_shard(func: Any, args: Any) -> QuantizedShard | None:
@@ -711,11 +723,16 @@ def _entry(param: Any) -> _Entry | None:
             f"quantized gather: a parameter placed {param.placements} is not sharded on dim 0 by FSDP2 "
             f"alone; leave it out of enable_quantized_gather (tensor parallel and Shard(dim>0) are not supported)."
         )
-    mesh, dim = param.device_mesh, dims[0]
-    layout = ShardLayout.of(tuple(param.shape), mesh.get_local_rank(dim), mesh.size(dim))
-    records = _fsdp_records(local)
-    mp_policy = getattr(records[1], "mp_policy", None) if records is not None else None
-    return _Entry(param, local, layout, mesh.get_group(dim), mesh.size(dim), _cast_dtype(local, mp_policy))
+    mesh, shape, placed = param.device_mesh, tuple(param.shape), local._link.placed
+    if placed is None or placed[0] is not mesh or placed[1] != param.placements or placed[2] != shape:
+        dim = dims[0]
+        layout = ShardLayout.of(shape, mesh.get_local_rank(dim), mesh.size(dim))
+        records = _fsdp_records(local)
+        mp_policy = getattr(records[1], "mp_policy", None) if records is not None else None
+        placed = (mesh, param.placements, shape, layout, mesh.get_group(dim), mesh.size(dim),
+                  _cast_dtype(local, mp_policy))
+        local._link.placed = placed
+    return _Entry(param, local, *placed[3:])
 
 
 def _by_group(entries: list[_Entry]) -> list[list[_Entry]]:

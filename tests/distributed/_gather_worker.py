@@ -49,7 +49,7 @@ class Config:
     reshard: bool = True
     recompute: bool = False
     microbatches: int = 1
-    optimizer: str = "adamw_foreach"  # adamw_fused, sgd
+    optimizer: str = "adamw_foreach"  # adamw_fused, sgd, extension (ExtensionSGD)
     params: str = "bf16"  # fp32_mp: fp32 parameters, bf16 gathers (MixedPrecisionPolicy)
     steps: int = 3
     #: "before" fully_shard (enable_quantized_gather) or "after" it (enable_quantized_gather_sharded)
@@ -66,6 +66,7 @@ PARITY = [
     Config(microbatches=4, optimizer="adamw_fused"),
     Config(recipe="current_batch", microbatches=4, optimizer="adamw_fused"),
     Config(reshard=False, microbatches=4, optimizer="sgd"),
+    Config(microbatches=4, optimizer="extension"),
     Config(recompute=True, microbatches=4),
     Config(reshard=False, recompute=True, optimizer="adamw_fused"),
     Config(microbatches=4, params="fp32_mp"),
@@ -133,7 +134,30 @@ def build_pair(cfg: Config, mesh, seed: int = 0):
     return stock, ours, state, factory
 
 
+class ExtensionSGD(torch.optim.Optimizer):
+    """SGD stepped the way a C++ extension's optimizer steps (TE's FusedAdam,
+    apex's multi-tensor kernels): on each DTensor's local tensor, below the
+    Python dispatcher, so no tensor subclass sees the write. The kernel
+    writes the local tensor's own storage: the wrapper must alias the plain
+    tensor's (a storage-less wrapper fails here), and only the step hook
+    can know the shard changed."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch._C._DisableTorchDispatch():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        local = getattr(p, "_local_tensor", p)
+                        local.add_(getattr(p.grad, "_local_tensor", p.grad), alpha=-group["lr"])
+
+
 def make_optimizer(cfg: Config, model: nn.Module):
+    if cfg.optimizer == "extension":
+        return ExtensionSGD(model.parameters(), lr=0.05)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=0.05, foreach=cfg.optimizer == "adamw_foreach",

@@ -17,7 +17,8 @@ writes one report (``test_quantized_gather.py`` reads it):
   layer and the root ``fully_shard``-ed; stock TE modules against the
   drop-ins with ``enable_quantized_gather`` (the FSDP2 policy pinned with
   ``QuantizedGather.ON``, so that it is set up at world size 1 too); 1 and 4
-  microbatches, ``reshard_after_forward`` True and False, AdamW and SGD, and
+  microbatches, ``reshard_after_forward`` True and False, AdamW and SGD (and
+  TE's FusedAdam with fp32 master weights at 4 microbatches), and
   ``torch.utils.checkpoint`` around each layer; DelayedScaling, which the
   policy makes in the call, with 4 microbatches. Per config: whether every
   microbatch's output and input gradient, every step's sharded parameter
@@ -54,6 +55,9 @@ CONFIGS = [dict(recipe=rc, kind=k, microbatches=mb, reshard=r, optimizer=o, chec
            for rc in EXACT for k in KINDS for mb in (1, 4) for r in (True, False) for o in ("adamw", "sgd")]
 CONFIGS += [dict(recipe=rc, kind=k, microbatches=1, reshard=r, optimizer="adamw", checkpoint=True)
             for rc in EXACT for k in KINDS for r in (True, False)]
+# TE's FusedAdam (fp32 master weights) steps the local tensors below the dispatcher.
+CONFIGS += [dict(recipe=rc, kind=k, microbatches=4, reshard=True, optimizer="te_fused_adam", checkpoint=False)
+            for rc in EXACT for k in KINDS]
 CONFIGS += [dict(recipe="DelayedScaling", kind=k, microbatches=4, reshard=True, optimizer="adamw", checkpoint=False)
             for k in KINDS]
 BYTE_SHAPES = ((256, 256), (96, 64), (16, 32), (512, 128), (384, 640), (200, 136))
@@ -128,6 +132,11 @@ def build(kind: str, managed: bool, reshard: bool, checkpoint: bool):
 
 
 def _optimizer(name: str, model):
+    if name == "te_fused_adam":
+        import transformer_engine.pytorch as te
+
+        return te.optimizers.FusedAdam(list(model.parameters()), lr=1e-3, master_weights=True,
+                                       master_weight_dtype=torch.float32)
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-3)

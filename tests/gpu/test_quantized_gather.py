@@ -28,6 +28,8 @@ WEIGHTS = {"Linear": ["0.weight", "1.weight"], "LayerNormLinear": ["0.weight", "
            "GroupedLinear": [f"{layer}.experts.weight{e}" for layer in (0, 1) for e in range(4)]}
 TRAINING = [(rc, k, mb, r, o) for rc in EXACT for k in KINDS for mb in (1, 4) for r in (True, False)
             for o in ("adamw", "sgd")]
+#: TE's FusedAdam, which writes the local tensors' memory below the dispatcher.
+TRAINING += [(rc, k, 4, True, "te_fused_adam") for rc in EXACT for k in KINDS]
 
 
 @pytest.fixture(scope="module")

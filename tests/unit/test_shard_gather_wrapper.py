@@ -107,6 +107,18 @@ def test_plain_tensor_aliases_the_storage_and_its_version_counter():
     assert wrapper._hp._version == version + 1
 
 
+def test_a_kernel_below_the_dispatcher_writes_the_plain_tensor():
+    """TE's FusedAdam hands ``_local_tensor`` to its C++ kernels, which
+    write through the data pointer: the wrapper must be that memory."""
+    _, ours, _ = _pair()
+    wrapper = ours[0].weight.data
+    assert wrapper.data_ptr() == wrapper._hp.data_ptr()
+    before = wrapper._hp.clone()
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        wrapper.add_(1.0)  # no __torch_dispatch__: the kernel runs on the wrapper's own storage
+    assert torch.equal(wrapper._hp, before + 1.0)
+
+
 def test_views_share_the_link_and_copies_do_not():
     _, ours, _ = _pair()
     wrapper = ours[0].weight.data
@@ -192,3 +204,50 @@ def test_fsdp2_reads_the_pre_all_gather_hook_s_signature_ready_made():
     first, second = inspect.signature(local.fsdp_pre_all_gather), inspect.signature(local.fsdp_pre_all_gather)
     assert first is second
     assert list(first.parameters) == ["mesh", "orig_size", "contiguous_orig_stride", "module", "mp_policy"]
+
+
+class _CountingMesh:
+    """A one-dimensional device mesh that counts its lookups."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.lookups = rank, world, 0
+
+    def get_local_rank(self, dim=None):
+        self.lookups += 1
+        return self.rank
+
+    def size(self, dim=None):
+        self.lookups += 1
+        return self.world
+
+    def get_group(self, dim=None):
+        self.lookups += 1
+        return ("group", id(self))
+
+
+class _Placed:
+    """What the refresh reads of a sharded parameter: a DTensor's local
+    tensor, placements, mesh and whole shape."""
+
+    def __init__(self, local, mesh, shape) -> None:
+        from torch.distributed.tensor import Shard
+
+        self._local_tensor, self.device_mesh, self.shape, self.placements = local, mesh, shape, (Shard(0),)
+
+
+def test_the_refresh_finds_a_placement_once_and_again_when_it_changes():
+    from workspace_manager._shard_gather import _entry
+
+    _, ours, _ = _pair()
+    local = ours[0].weight.data
+    mesh = _CountingMesh(1, 2)
+    first = _entry(_Placed(local, mesh, torch.Size([10, 6])))
+    assert (first.layout, first.world, first.group) == (ShardLayout((10, 6), 5, 5, 5), 2, ("group", id(mesh)))
+    looked_up = mesh.lookups
+    again = _entry(_Placed(local, mesh, torch.Size([10, 6])))
+    assert mesh.lookups == looked_up and again.layout == first.layout  # cached: no mesh lookup at each step
+    other = _CountingMesh(0, 4)
+    moved = _entry(_Placed(local, other, torch.Size([10, 6])))
+    assert other.lookups > 0 and (moved.layout, moved.world) == (ShardLayout((10, 6), 0, 3, 3), 4)
+    grown = _entry(_Placed(local, other, torch.Size([12, 6])))
+    assert grown.layout == ShardLayout((12, 6), 0, 3, 3)
