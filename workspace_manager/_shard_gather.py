@@ -237,7 +237,14 @@ class _Link:
         self.factory = factory
         self._state = weakref.ref(state) if state is not None else None
         self.shard: QuantizedShard | None = None
-        self.fsdp: tuple[Any, Any] | None = None  # (FSDPParamGroup, FSDPParam), found once
+        # (FSDPParamGroup, FSDPParam), found once, held weakly: they lead back
+        # to the local tensor, whose Python state holds this link, and the
+        # collector does not break that cycle (PyTorch lets it follow a
+        # tensor's Python state only while nothing else shares the tensor,
+        # and FSDP2 keeps views of it). Held strongly, every model that ran a
+        # quantized gather stayed alive after del (tests/distributed,
+        # case "freed").
+        self.fsdp: tuple[Any, Any] | None = None
         self.writes = 0  # writes through any wrapper of this link
         #: How the refresh last found the parameter placed: (mesh, placements,
         #: shape, layout, group, world, dtype); the mesh lookups cost more than
@@ -551,8 +558,10 @@ def _fsdp_records(local: ShardGatherWeight) -> tuple[Any, Any] | None:
     """``(FSDPParamGroup, FSDPParam)`` whose sharded parameter's local
     tensor is ``local``; looked up once per link."""
     link = local._link
-    if link.fsdp is not None and link.fsdp[1]._sharded_local_tensor is local:
-        return link.fsdp
+    if link.fsdp is not None:
+        group, fsdp_param = link.fsdp[0](), link.fsdp[1]()
+        if group is not None and fsdp_param is not None and fsdp_param._sharded_local_tensor is local:
+            return group, fsdp_param
     api = _fsdp2_api()
     if api is None:
         return None
@@ -560,8 +569,8 @@ def _fsdp_records(local: ShardGatherWeight) -> tuple[Any, Any] | None:
         for group in _sharded_groups(state, api):
             for fsdp_param in group.fsdp_params:
                 if fsdp_param._sharded_local_tensor is local:
-                    link.fsdp = (group, fsdp_param)
-                    return link.fsdp
+                    link.fsdp = (weakref.ref(group), weakref.ref(fsdp_param))
+                    return group, fsdp_param
     return None
 
 

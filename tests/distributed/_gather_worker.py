@@ -522,6 +522,28 @@ def refusal_rows(mesh) -> list[dict]:
     return rows
 
 
+def freed_rows(mesh) -> list[dict]:
+    """A model trained with the quantized gather is freed once the user
+    drops it (no state of the mechanism keeps it alive): RL trainers build
+    and drop models in one process."""
+    import gc
+    import weakref
+
+    cfg = Config(microbatches=2)
+    stock, ours, state, _ = build_pair(cfg, mesh)
+    opt = make_optimizer(cfg, ours)
+    state.attach(opt)
+    for step in range(2):
+        train_step(ours, opt, cfg, step, torch.bfloat16)
+        opt.step()
+        opt.zero_grad()
+    held = [weakref.ref(ours), weakref.ref(local(ours.get_parameter(WEIGHTS[0])))]
+    del stock, ours, state, opt
+    gc.collect()
+    return [row("freed", "model and its wrapped local tensors freed after del", [False, False],
+                [ref() is not None for ref in held])]
+
+
 def run_all(mesh, out_dir: Path) -> list[dict]:
     rows = []
     cases = [(cfg.name, lambda cfg=cfg: parity_rows(cfg, mesh)) for cfg in PARITY]
@@ -529,7 +551,8 @@ def run_all(mesh, out_dir: Path) -> list[dict]:
               for cfg in (Config(), Config(recipe="block"), Config(params="fp32_mp"))]
     cases += [("refusals", lambda: refusal_rows(mesh))]
     cases += [("refresh", lambda: refresh_rows(mesh)), ("version", lambda: version_rows(mesh)),
-              ("no_step_hook", lambda: without_step_hook_rows(mesh)), ("dcp", lambda: dcp_rows(mesh, out_dir))]
+              ("no_step_hook", lambda: without_step_hook_rows(mesh)), ("dcp", lambda: dcp_rows(mesh, out_dir)),
+              ("freed", lambda: freed_rows(mesh))]
     only = os.environ.get("GATHER_CASES")
     for name, case in cases:
         if only and not any(part in name for part in only.split(",")):

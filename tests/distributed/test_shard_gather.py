@@ -41,10 +41,10 @@ def test_quantized_gather_under_torchrun(tmp_path: Path, world: int) -> None:
     assert report["world_size"] == world and len(report["ranks"]) == world
     # Every rank checked every case: 14 parity configurations (2 wrapped after
     # fully_shard, 1 stepped below the dispatcher), 3 byte checks, refusals,
-    # refresh, version, no_step_hook and dcp.
+    # refresh, version, no_step_hook, dcp and freed.
     cases = {row["case"] for _, row in rows}
     assert len(cases) >= 20 and sum("wrap=after" in c for c in cases) >= 2, sorted(cases)
-    assert any("/extension/" in c for c in cases), sorted(cases)
+    assert any("/extension/" in c for c in cases) and "freed" in cases, sorted(cases)
     failed = [f"rank {rank} {row['case']}: {row['check']}: expected {row['expected']}, got {row['got']}"
               for rank, row in rows if not row["passed"]]
     assert not failed, "\n".join(failed[:20]) + f"\n({len(failed)} failed rows)\n{tail}"
