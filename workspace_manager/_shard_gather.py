@@ -246,9 +246,10 @@ class _Link:
         # case "freed").
         self.fsdp: tuple[Any, Any] | None = None
         self.writes = 0  # writes through any wrapper of this link
-        #: How the refresh last found the parameter placed: (mesh, placements,
-        #: shape, layout, group, world, dtype); the mesh lookups cost more than
-        #: a cached shard's gather, at every step for every weight (:func:`_entry`).
+        #: How the refresh last found the parameter placed: ``(mesh,
+        #: placements, shape)`` and what follows from them, ``(layout, group,
+        #: world, dtype)``, so that the refresh after every step does not ask
+        #: the device mesh again for every weight (:func:`_entry`).
         self.placed: tuple | None = None
 
     @property
@@ -275,9 +276,8 @@ class ShardGatherWeight(torch.Tensor):
 
     It holds the plain tensor (``_hp``), shares its storage, and behaves as
     it: every operation runs on the plain tensor and returns plain tensors,
-    except FSDP2's
-    sharding steps (views, ``new_zeros``, ``copy_``) and in-place operations,
-    which return the wrapper. An operation that writes the wrapper (an
+    except FSDP2's sharding steps (views, ``new_zeros``, ``copy_``) and
+    in-place operations, which return the wrapper. An operation that writes the wrapper (an
     optimizer step, ``copy_``) counts a write on its link and moves the plain
     tensor's version counter; staleness is read from both (see
     :class:`QuantizedShard`). Pickling (``torch.save``) stores the plain
@@ -292,9 +292,8 @@ class ShardGatherWeight(torch.Tensor):
     def __new__(cls, hp: torch.Tensor, link: _Link) -> ShardGatherWeight:
         # An alias of the plain tensor's storage, not a storage-less wrapper:
         # code that reaches the local tensor's memory below the dispatcher
-        # (TE's FusedAdam and apex step DTensor parameters through
-        # ``_local_tensor.data_ptr()``) then reads and writes the real
-        # weight. Such writes bypass the write count; the optimizer step hook
+        # (TE's FusedAdam hands each DTensor parameter's ``_local_tensor`` to
+        # its C++ kernels) then reads and writes the real weight. Such writes bypass the write count; the optimizer step hook
         # remakes what a step wrote all the same.
         return torch.Tensor._make_subclass(cls, hp, hp.requires_grad)
 
@@ -732,16 +731,14 @@ def _entry(param: Any) -> _Entry | None:
             f"quantized gather: a parameter placed {param.placements} is not sharded on dim 0 by FSDP2 "
             f"alone; leave it out of enable_quantized_gather (tensor parallel and Shard(dim>0) are not supported)."
         )
-    mesh, shape, placed = param.device_mesh, tuple(param.shape), local._link.placed
-    if placed is None or placed[0] is not mesh or placed[1] != param.placements or placed[2] != shape:
-        dim = dims[0]
-        layout = ShardLayout.of(shape, mesh.get_local_rank(dim), mesh.size(dim))
+    key, placed = (param.device_mesh, param.placements, tuple(param.shape)), local._link.placed
+    if placed is None or placed[0][0] is not key[0] or placed[0][1:] != key[1:]:
+        mesh, dim = key[0], dims[0]
         records = _fsdp_records(local)
         mp_policy = getattr(records[1], "mp_policy", None) if records is not None else None
-        placed = (mesh, param.placements, shape, layout, mesh.get_group(dim), mesh.size(dim),
-                  _cast_dtype(local, mp_policy))
-        local._link.placed = placed
-    return _Entry(param, local, *placed[3:])
+        placed = local._link.placed = (key, (ShardLayout.of(key[2], mesh.get_local_rank(dim), mesh.size(dim)),
+                                             mesh.get_group(dim), mesh.size(dim), _cast_dtype(local, mp_policy)))
+    return _Entry(param, local, *placed[1])
 
 
 def _by_group(entries: list[_Entry]) -> list[list[_Entry]]:

@@ -135,9 +135,9 @@ def build_pair(cfg: Config, mesh, seed: int = 0):
 
 
 class ExtensionSGD(torch.optim.Optimizer):
-    """SGD stepped the way a C++ extension's optimizer steps (TE's FusedAdam,
-    apex's multi-tensor kernels): on each DTensor's local tensor, below the
-    Python dispatcher, so no tensor subclass sees the write. The kernel
+    """SGD stepped the way TE's FusedAdam steps (its C++ kernels get each
+    DTensor's local tensor): below the Python dispatcher, so no tensor
+    subclass sees the write. The kernel
     writes the local tensor's own storage: the wrapper must alias the plain
     tensor's (a storage-less wrapper fails here), and only the step hook
     can know the shard changed."""
