@@ -277,10 +277,10 @@ class ShardGatherWeight(torch.Tensor):
     It holds the plain tensor (``_hp``), shares its storage, and behaves as
     it: every operation runs on the plain tensor and returns plain tensors,
     except FSDP2's sharding steps (views, ``new_zeros``, ``copy_``) and
-    in-place operations, which return the wrapper. An operation that writes the wrapper (an
-    optimizer step, ``copy_``) counts a write on its link and moves the plain
-    tensor's version counter; staleness is read from both (see
-    :class:`QuantizedShard`). Pickling (``torch.save``) stores the plain
+    in-place operations, which return the wrapper. An operation that writes
+    the wrapper (an optimizer step, ``copy_``) counts a write on its link and
+    moves the plain tensor's version counter; staleness is read from both
+    (see :class:`QuantizedShard`). Pickling (``torch.save``) stores the plain
     tensor, and ``copy.deepcopy`` returns a plain copy.
     """
 
@@ -293,8 +293,9 @@ class ShardGatherWeight(torch.Tensor):
         # An alias of the plain tensor's storage, not a storage-less wrapper:
         # code that reaches the local tensor's memory below the dispatcher
         # (TE's FusedAdam hands each DTensor parameter's ``_local_tensor`` to
-        # its C++ kernels) then reads and writes the real weight. Such writes bypass the write count; the optimizer step hook
-        # remakes what a step wrote all the same.
+        # its C++ kernels) then reads and writes the real weight. Such writes
+        # bypass the write count; the optimizer step hook remakes what a step
+        # wrote all the same.
         return torch.Tensor._make_subclass(cls, hp, hp.requires_grad)
 
     def __init__(self, hp: torch.Tensor, link: _Link) -> None:
@@ -651,7 +652,7 @@ class ShardGatherState:
             for quantizer, index in batches:
                 made = _statistics(quantizer, [sources[i] for i in index], [layouts[i] for i in index])
                 for i, statistic in zip(index, made):
-                    stats[i] = statistic.reshape(-1) if statistic.dtype is torch.float32 else statistic.reshape(-1).float()
+                    stats[i] = statistic.reshape(-1).float()  # no copy where it is float32 already
             flat = torch.cat(stats)
             _reduce_max(flat, entries[0].group, entries[0].world)
             self._reductions += int(entries[0].world > 1)
