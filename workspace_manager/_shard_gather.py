@@ -50,6 +50,15 @@ When a shard is made
     rank that alone remakes its shard waits in it forever. For the same
     reason FSDP2's own re-padding of a short shard (on those ranks only)
     carries the cached shard over instead of dropping it (``_carried_shard``).
+
+Where a shard is made
+    A :class:`BatchShardQuantizer` may keep a weight's memory and framework
+    objects from one refresh to the next and write the new shard over the
+    old one (``kept``): building them is most of a refresh's cost. The
+    refresh offers them only where FSDP2 holds the weight sharded, when no
+    gathered weight is alive that could still read the old scale (the
+    gathered weight reads the shard's scale tensor, not a copy); a shard
+    made in the gather hook, or carried over to new storage, keeps nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ import torch.utils._pytree as pytree
 
 from ._context import Sharding
 from ._errors import ContextTypeError, InvalidContextError
-from ._fsdp2 import _distinct, _fsdp2_api, _fsdp2_modules, _sharded_groups
+from ._fsdp2 import _distinct, _fsdp2_api, _fsdp2_modules, _sharded_groups, fsdp2_parameters
 
 __all__ = [
     "GatherPass",
@@ -182,18 +191,31 @@ class ShardQuantizer(Protocol):
 
 class BatchShardQuantizer(ShardQuantizer, Protocol):
     """A :class:`ShardQuantizer` that also takes all the shards of a refresh
-    at once. A refresh remakes every weight a step wrote (a 32-expert
-    layer: 64 of them); where each call builds a framework's objects and
-    launches its own small kernels (TE: a quantizer, a scale kernel, a
-    cast), doing that once per refresh instead of once per shard is most
-    of the refresh's cost. Each method returns what the per-shard method
-    would for each shard, in order."""
+    at once, and may remake a shard in the memory of the one it replaces.
 
-    def statistics(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
+    A refresh remakes every weight a step wrote (a 32-expert layer: 64 of
+    them); where each call allocates and builds a framework's objects (TE:
+    a cast quantizer, its scale, the bytes, a tensor over them) and
+    launches its own small kernels, doing that once per refresh instead of
+    once per shard, and keeping the objects from one step to the next, is
+    most of the refresh's cost.
+
+    ``kept`` holds, per shard, the third item :meth:`quantize_all` returned
+    for that weight's last shard, or None: for a weight's first shard,
+    after :meth:`ShardGatherState.release`, for a shard the gather hook
+    made or FSDP2 carried to new storage, and wherever FSDP2 holds a
+    gathered copy of the weight (which may still read the old scale). What
+    ``kept`` holds may be written over; a quantizer must check that it fits
+    the shard (shape, dtype, device) before it does. :meth:`statistics` and
+    :meth:`quantize_all` return, for each shard in order, what
+    ``statistic`` and ``quantize`` would, the latter with what to keep."""
+
+    def statistics(self, shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout],
+                   kept: Sequence[Any]) -> list[torch.Tensor]:
         ...
 
     def quantize_all(self, shards: Sequence[torch.Tensor], statistics: Sequence[torch.Tensor],
-                     layouts: Sequence[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     layouts: Sequence[ShardLayout], kept: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
         ...
 
 
@@ -230,13 +252,16 @@ class _Link:
     so a copy never reads another tensor's shard, except as
     :func:`_carried_shard` allows."""
 
-    __slots__ = ("quantizer", "factory", "_state", "shard", "fsdp", "writes", "placed", "__weakref__")
+    __slots__ = ("quantizer", "factory", "_state", "shard", "kept", "fsdp", "writes", "placed", "__weakref__")
 
     def __init__(self, quantizer: ShardQuantizer, factory: GatheredWeightFactory, state: Any) -> None:
         self.quantizer = quantizer
         self.factory = factory
         self._state = weakref.ref(state) if state is not None else None
         self.shard: QuantizedShard | None = None
+        #: What a BatchShardQuantizer keeps of ``shard`` to make the next one
+        #: in its memory (None where ``shard`` was not made by a refresh).
+        self.kept: Any = None
         # (FSDPParamGroup, FSDPParam), found once, held weakly: they lead back
         # to the local tensor, whose Python state holds this link, and the
         # collector does not break that cycle (PyTorch lets it follow a
@@ -468,7 +493,7 @@ def _current_shard(local: ShardGatherWeight, mesh: Any, full_shape: tuple[int, .
     source = _source(local, dtype)
     statistic = link.quantizer.statistic(source, layout)
     _reduce_max(statistic, group, mesh.size())
-    link.shard = _make_shard(link, local, source, statistic, layout)
+    link.shard, link.kept = _make_shard(link, local, source, statistic, layout), None
     state = link.state
     if state is not None:
         state._hook_remakes += 1
@@ -497,14 +522,17 @@ def _make_shard(link: _Link, local: ShardGatherWeight, source: torch.Tensor, sta
 
 
 def _shard_of(link: _Link, local: ShardGatherWeight, data: torch.Tensor, scale_inv: torch.Tensor,
-              layout: ShardLayout) -> QuantizedShard:
+              layout: ShardLayout, padded: torch.Tensor | None = None) -> QuantizedShard:
     """The shard of quantized ``data``, its bytes padded to the rows every
     rank sends (FSDP2 requires the padded size of an uneven shard; the
-    padding rows are dropped after the gather)."""
+    padding rows are dropped after the gather); ``padded``: the last
+    shard's padded bytes, written over where they fit (see ``kept``)."""
     if data.dtype is not torch.uint8:
         data = data.view(torch.uint8)
     if data.shape[0] != layout.padded_rows:
-        padded = data.new_zeros((layout.padded_rows, *data.shape[1:]))
+        shape = (layout.padded_rows, *data.shape[1:])
+        if padded is None or padded.shape != shape or padded.device != data.device:
+            padded = data.new_zeros(shape)
         padded[: data.shape[0]].copy_(data)
         data = padded
     return QuantizedShard(data, scale_inv, layout, link.writes, local._hp._version, weakref.ref(local._hp))
@@ -519,17 +547,38 @@ def _by_quantizer(entries: list[_Entry]) -> list[tuple[Any, list[int]]]:
     return list(found.values())
 
 
-def _statistics(quantizer: Any, shards: list[torch.Tensor], layouts: list[ShardLayout]) -> list[torch.Tensor]:
+def _statistics(quantizer: Any, shards: list[torch.Tensor], layouts: list[ShardLayout],
+                kept: list[Any]) -> list[torch.Tensor]:
     if hasattr(quantizer, "statistics"):
-        return quantizer.statistics(shards, layouts)
+        return quantizer.statistics(shards, layouts, kept)
     return [quantizer.statistic(shard, layout) for shard, layout in zip(shards, layouts)]
 
 
 def _quantize_all(quantizer: Any, shards: list[torch.Tensor], statistics: list[torch.Tensor],
-                  layouts: list[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(quantizer, "quantize_all"):
-        return quantizer.quantize_all(shards, statistics, layouts)
-    return [quantizer.quantize(s, t, layout) for s, t, layout in zip(shards, statistics, layouts)]
+                  layouts: list[ShardLayout], kept: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+    """``(data, scale_inv, what to keep)`` per shard (None kept where the
+    quantizer is not a batch quantizer)."""
+    if not hasattr(quantizer, "quantize_all"):
+        return [(*quantizer.quantize(s, t, layout), None) for s, t, layout in zip(shards, statistics, layouts)]
+    made = quantizer.quantize_all(shards, statistics, layouts, kept)
+    if len(made) != len(shards) or any(not isinstance(m, tuple) or len(m) != 3 for m in made):
+        raise ContextTypeError(
+            f"quantized gather: {type(quantizer).__name__}.quantize_all must return one (data, scale_inv, kept) "
+            f"tuple per shard ({len(shards)}); received {[type(m).__name__ for m in made][:4]}... of {len(made)}. "
+            "Return None as the third item to keep nothing.")
+    return made
+
+
+def _reusable(local: ShardGatherWeight) -> Any:
+    """What the link keeps of its shard, where the refresh may write the new
+    shard over it: FSDP2 holds the weight sharded, so no gathered weight is
+    alive that reads the old scale (a gathered weight kept across the step,
+    ``set_reshard_after_backward(False)``, gets new memory); else None."""
+    kept = local._link.kept
+    if kept is None:
+        return None
+    found = _fsdp_records(local)
+    return kept if found is not None and found[1].sharded_state.name == "SHARDED" else None
 
 
 #: The four contexts, by (pass, whether FSDP2 keeps the forward gather for backward).
@@ -616,11 +665,27 @@ class ShardGatherState:
         self._refreshes = self._refreshed = self._hook_remakes = self._reductions = self._gathers = 0
 
     def wrapped(self) -> list[tuple[str, torch.Tensor]]:
-        """``(name, parameter)`` for each wrapped parameter of the model."""
+        """``(name, parameter)`` for each wrapped parameter of the model, in
+        ``named_parameters`` order: the sharded parameter (the one an
+        optimizer holds), also while FSDP2 has the module hold the gathered
+        one instead (between forward and backward, and after a forward with
+        ``reshard_after_forward=False``)."""
         model = self._model()
         if model is None:
             return []
-        return [(name, p) for name, p in model.named_parameters() if isinstance(_local(p), ShardGatherWeight)]
+        out: list[tuple[str, torch.Tensor]] = []
+        gathered: dict[int, Any] | None = None
+        for name, p in model.named_parameters():
+            if isinstance(_local(p), ShardGatherWeight):
+                out.append((name, p))
+                continue
+            if _local(p) is p:  # not a DTensor: maybe FSDP2's gathered parameter
+                if gathered is None:
+                    gathered = _sharded_by_gathered(model)
+                sharded = gathered.get(id(p))
+                if sharded is not None:
+                    out.append((name, sharded))
+        return out
 
     def refresh(self, written: Iterable[torch.Tensor] | None = None) -> int:
         """Remake the quantized shards of the wrapped parameters in
@@ -647,10 +712,12 @@ class ShardGatherState:
         with torch.no_grad():
             sources = [_source(e.local, e.dtype) for e in entries]
             layouts = [e.layout for e in entries]
+            kept = [_reusable(e.local) for e in entries]
             batches = _by_quantizer(entries)
             stats: list[Any] = [None] * len(entries)
             for quantizer, index in batches:
-                made = _statistics(quantizer, [sources[i] for i in index], [layouts[i] for i in index])
+                made = _statistics(quantizer, [sources[i] for i in index], [layouts[i] for i in index],
+                                   [kept[i] for i in index])
                 for i, statistic in zip(index, made):
                     stats[i] = statistic.reshape(-1).float()  # no copy where it is float32 already
             flat = torch.cat(stats)
@@ -659,10 +726,12 @@ class ShardGatherState:
             parts = flat.split([s.numel() for s in stats])
             for quantizer, index in batches:
                 made = _quantize_all(quantizer, [sources[i] for i in index], [parts[i] for i in index],
-                                     [layouts[i] for i in index])
-                for i, (data, scale_inv) in zip(index, made):
+                                     [layouts[i] for i in index], [kept[i] for i in index])
+                for i, (data, scale_inv, keep) in zip(index, made):
                     link = entries[i].local._link
-                    link.shard = _shard_of(link, entries[i].local, data, scale_inv, layouts[i])
+                    padded = link.shard.data if kept[i] is not None and link.shard is not None else None
+                    link.shard = _shard_of(link, entries[i].local, data, scale_inv, layouts[i], padded)
+                    link.kept = keep
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Refresh the parameters ``optimizer`` holds after each of its steps
@@ -681,7 +750,7 @@ class ShardGatherState:
         for _, param in self.wrapped():
             link = _local(param)._link
             freed += link.shard.nbytes if link.shard is not None else 0
-            link.shard = None
+            link.shard = link.kept = None
         return freed
 
     def stale(self) -> list[str]:
@@ -716,6 +785,13 @@ class ShardGatherState:
 
 def _local(param: Any) -> Any:
     return getattr(param, "_local_tensor", param)
+
+
+def _sharded_by_gathered(model: torch.nn.Module) -> dict[int, Any]:
+    """``{id(gathered parameter): sharded parameter}`` for the wrapped
+    parameters FSDP2 has gathered for the modules of ``model``."""
+    return {id(r.unsharded): r.sharded for r in fsdp2_parameters(model)
+            if r.unsharded is not None and isinstance(_local(r.sharded), ShardGatherWeight)}
 
 
 def _entry(param: Any) -> _Entry | None:

@@ -116,7 +116,9 @@ class CurrentScalingShards:
     the scale comes from it as TE's current-scaling scale does (fp8 max,
     the recipe's power-of-2 and epsilon settings), and the cast is TE's
     scaled FP8 cast (``te_integration.te._compat``). A refresh hands it all
-    its shards at once: one buffer of amaxes, one scale kernel for all."""
+    its shards at once: one buffer of amaxes, one scale kernel for all, and
+    each weight's cast objects and memory kept from the last refresh
+    (``te.CurrentCast``)."""
 
     def __init__(self, quantizer: Any) -> None:
         self.quantizer = quantizer
@@ -126,14 +128,15 @@ class CurrentScalingShards:
 
     def quantize(self, shard: torch.Tensor, statistic: torch.Tensor,
                  layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        return te.cast_with_amaxes([shard], [statistic], self.quantizer)[0]
+        data, scale_inv, _ = te.cast_with_amaxes([shard], [statistic], self.quantizer)[0]
+        return data, scale_inv
 
-    def statistics(self, shards: list[torch.Tensor], layouts: list[ShardLayout]) -> list[torch.Tensor]:
+    def statistics(self, shards: list[torch.Tensor], layouts: list[ShardLayout], kept: list[Any]) -> list[torch.Tensor]:
         return te.shard_amaxes(shards)
 
-    def quantize_all(self, shards: list[torch.Tensor], statistics: list[torch.Tensor],
-                     layouts: list[ShardLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return te.cast_with_amaxes(shards, statistics, self.quantizer)
+    def quantize_all(self, shards: list[torch.Tensor], statistics: list[torch.Tensor], layouts: list[ShardLayout],
+                     kept: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+        return te.cast_with_amaxes(shards, statistics, self.quantizer, kept)
 
 
 class GatheredWeights:
@@ -162,21 +165,33 @@ class GatheredWeights:
         self._refill(out, data, scale_inv)
 
 
+@dataclass(eq=False)
+class _BlockShard:
+    """What :class:`BlockScalingShards` keeps of one weight's shard: TE's
+    cast (``te.BlockCast``; None for a shard without rows), its bytes, and
+    the grid of the whole weight's block scales, the gathered weight's."""
+
+    cast: Any
+    data: torch.Tensor
+    grid: torch.Tensor
+
+
 class BlockScalingShards:
     """Float8BlockScaling's shard quantization with 2D weight blocks (a
-    ``ShardQuantizer``), for shards that start on a block boundary
+    ``BatchShardQuantizer``), for shards that start on a block boundary
     (:meth:`refusal`): TE's own block kernel quantizes the shard's rows,
     which is the whole weight's quantization of those rows since every
     block lies in one shard. The statistic is the whole weight's grid of
     block scales with this shard's rows filled in and zeros elsewhere, so
     the mechanism's MAX all-reduce hands every rank the whole grid: the
-    gathered weight's scales, the same on every rank."""
+    gathered weight's scales, the same on every rank. A refresh writes each
+    weight's bytes and grid over the last refresh's (:class:`_BlockShard`)."""
 
     def __init__(self, quantizer: Any) -> None:
         self.quantizer = quantizer
-        # statistic() quantizes the shard; quantize() of the same source
-        # (the refresh calls the two in turn) takes the bytes from here.
-        self._made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # statistics() quantizes the shards; quantize_all() of the same
+        # sources (the refresh calls the two in turn) takes the bytes from here.
+        self._made: dict[int, tuple[torch.Tensor, _BlockShard]] = {}
 
     @staticmethod
     def refusal(full_shape: tuple[int, ...], world: int) -> str | None:
@@ -194,28 +209,48 @@ class BlockScalingShards:
         columns = -(-full_shape[-1] // _BLOCK_ROWS)
         return -(-full_shape[0] // _BLOCK_ROWS), -(-columns // 4) * 4
 
+    def _fill(self, shard: torch.Tensor, layout: ShardLayout, kept: Any) -> _BlockShard:
+        """The shard quantized, its scales in the grid's rows of this shard
+        and zeros elsewhere, in ``kept``'s memory where it fits."""
+        shape = self._grid_shape(layout.full_shape)
+        fits = isinstance(kept, _BlockShard) and kept.grid.shape == shape and kept.data.shape == shard.shape
+        grid = kept.grid.zero_() if fits else torch.zeros(shape, dtype=torch.float32, device=shard.device)
+        if not layout.rows:
+            return _BlockShard(None, torch.empty(shard.shape, dtype=torch.uint8, device=shard.device), grid)
+        data, scale_inv, cast = te.block_quantize_rows(shard, self.quantizer, kept.cast if fits else None)
+        first = layout.row_start // _BLOCK_ROWS
+        # The weight's block columns only: TE leaves the padding columns
+        # (up to a multiple of 4) as allocated, and they would enter the reduction.
+        columns = -(-layout.full_shape[-1] // _BLOCK_ROWS)
+        grid[first:first + scale_inv.shape[0], :columns] = scale_inv[:, :columns]
+        return _BlockShard(cast, data, grid)
+
     def statistic(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        grid = torch.zeros(self._grid_shape(layout.full_shape), dtype=torch.float32, device=shard.device)
-        if layout.rows:
-            data, scale_inv = te.block_quantize_rows(shard, self.quantizer)
-            self._made[id(shard)] = (shard, data)
-            first = layout.row_start // _BLOCK_ROWS
-            # The weight's block columns only: TE leaves the padding columns
-            # (up to a multiple of 4) as allocated, and they would enter the reduction.
-            columns = -(-layout.full_shape[-1] // _BLOCK_ROWS)
-            grid[first:first + scale_inv.shape[0], :columns] = scale_inv[:, :columns]
-        return grid.reshape(-1)
+        return self.statistics([shard], [layout], [None])[0]
 
     def quantize(self, shard: torch.Tensor, statistic: torch.Tensor,
                  layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        made = self._made.pop(id(shard), None)
-        if made is not None and made[0] is shard:
-            data = made[1]
-        elif layout.rows:
-            data = te.block_quantize_rows(shard, self.quantizer)[0]
-        else:
-            data = torch.empty(shard.shape, dtype=torch.uint8, device=shard.device)
-        return data, statistic.reshape(self._grid_shape(layout.full_shape)).clone()
+        data, grid, _ = self.quantize_all([shard], [statistic], [layout], [None])[0]
+        return data, grid
+
+    def statistics(self, shards: list[torch.Tensor], layouts: list[ShardLayout], kept: list[Any]) -> list[torch.Tensor]:
+        out = []
+        for shard, layout, old in zip(shards, layouts, kept):
+            made = self._fill(shard, layout, old)
+            self._made[id(shard)] = (shard, made)
+            out.append(made.grid.reshape(-1))
+        return out
+
+    def quantize_all(self, shards: list[torch.Tensor], statistics: list[torch.Tensor], layouts: list[ShardLayout],
+                     kept: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+        made = []
+        for shard, layout in zip(shards, layouts):
+            found = self._made.pop(id(shard), None)
+            made.append(found[1] if found is not None and found[0] is shard else self._fill(shard, layout, None))
+        # The reduced grids (views of the mechanism's one reduced buffer) into each shard's own grid.
+        torch._foreach_copy_([m.grid for m in made],
+                             [s.reshape(m.grid.shape) for s, m in zip(statistics, made)])
+        return [(m.data, m.grid, m) for m in made]
 
 
 def _shard_format(quantizer: Any) -> tuple[Any, Any, Any]:

@@ -460,36 +460,61 @@ def shard_amaxes(shards):
     return amaxes
 
 
-def cast_with_amaxes(shards, amaxes, quantizer):
-    """``(uint8 data, scale_inv)`` of each of ``shards`` cast to FP8 with the
-    scale of its (reduced) amax: the scales and their inverses from one call
-    of TE's ``multi_tensor_compute_scale_and_scale_inv`` for all of them
-    (``quantizer``'s FP8 format, power-of-2 and epsilon settings), then TE's
-    scaled cast of each, as TE casts FP8 master weights (``tensor/utils.py``,
-    ``_cast_master_weights_to_fp8_current_scaling``)."""
+class CurrentCast:
+    """One weight's Float8CurrentScaling cast, kept from one refresh to the
+    next (:func:`cast_with_amaxes`): the FP8 bytes, the scale and its
+    inverse, a ``Float8Quantizer`` over that scale and TE's ``Float8Tensor``
+    over those bytes, the cast's destination. Building these for every
+    weight at every refresh cost several times the cast itself."""
+
+    __slots__ = ("data", "scale", "scale_inv", "cast", "out")
+
+    def __init__(self, shard, fp8_dtype) -> None:
+        import torch
+
+        device = shard.device
+        self.data = torch.empty(shard.shape, dtype=torch.uint8, device=device)
+        self.scale = torch.empty(1, dtype=torch.float32, device=device)
+        # One tensor each, not views of one buffer: the GEMMs read scale_inv
+        # through a pointer cuBLAS requires aligned (16 bytes), which a view at
+        # an offset of 4 bytes is not ("the requested functionality is not supported").
+        self.scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+        self.cast = Float8Quantizer(scale=self.scale, amax=torch.Tensor(), fp8_dtype=fp8_dtype, rowwise=True,
+                                    columnwise=False)
+        self.out = self.cast.create_tensor_from_data(self.data, fake_dtype=shard.dtype)
+
+    def fits(self, shard, fp8_dtype) -> bool:
+        return (self.data.shape == shard.shape and self.data.device == shard.device
+                and self.cast.dtype == fp8_dtype)
+
+
+def cast_with_amaxes(shards, amaxes, quantizer, kept=None):
+    """``(uint8 data, scale_inv, CurrentCast)`` of each of ``shards`` cast to
+    FP8 with the scale of its (reduced) amax: the scales and their inverses
+    from one call of TE's ``multi_tensor_compute_scale_and_scale_inv`` for
+    all of them (``quantizer``'s FP8 format, power-of-2 and epsilon
+    settings), then TE's scaled cast of each, as TE casts FP8 master weights
+    (``tensor/utils.py``, ``_cast_master_weights_to_fp8_current_scaling``).
+    ``kept``: per shard, a :class:`CurrentCast` a previous call returned, or
+    None; one that fits the shard is written over (its bytes and scales
+    are the new shard's), any other is left alone and a new one made."""
     import torch
 
     if not shards:
         return []
-    device = shards[0].device
-    # One tensor each, not views of one buffer: the GEMMs read scale_inv
-    # through a pointer cuBLAS requires aligned (16 bytes), which a view at
-    # an offset of 4 bytes is not ("the requested functionality is not supported").
-    scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in shards]
-    scale_invs = [torch.empty(1, dtype=torch.float32, device=device) for _ in shards]
-    overflow = torch.zeros(1, dtype=torch.int, device=device)
+    kept = kept if kept is not None else [None] * len(shards)
+    fp8_dtype = quantizer.dtype
+    slots = [k if isinstance(k, CurrentCast) and k.fits(s, fp8_dtype) else CurrentCast(s, fp8_dtype)
+             for s, k in zip(shards, kept)]
+    overflow = torch.zeros(1, dtype=torch.int, device=shards[0].device)
     multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv, overflow,
-                         [[amax.reshape(1) for amax in amaxes], scales, scale_invs], _FP8_MAX[quantizer.dtype],
-                         quantizer.force_pow_2_scales, quantizer.amax_epsilon)
-    made = []
-    for shard, scale, scale_inv in zip(shards, scales, scale_invs):
-        data = torch.empty(shard.shape, dtype=torch.uint8, device=device)
+                         [[amax.reshape(1) for amax in amaxes], [k.scale for k in slots],
+                          [k.scale_inv for k in slots]],
+                         _FP8_MAX[fp8_dtype], quantizer.force_pow_2_scales, quantizer.amax_epsilon)
+    for shard, slot in zip(shards, slots):
         if shard.numel():
-            cast = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=quantizer.dtype, rowwise=True,
-                                   columnwise=False)
-            cast.update_quantized(shard.contiguous(), cast.create_tensor_from_data(data, fake_dtype=shard.dtype))
-        made.append((data, scale_inv))
-    return made
+            slot.cast.update_quantized(shard.contiguous(), slot.out)
+    return [(slot.data, slot.scale_inv, slot) for slot in slots]
 
 
 def float8_weight(data, scale_inv, dtype, quantizer):
@@ -512,21 +537,40 @@ def refill_float8_weight(out, data, scale_inv) -> None:
     out._scale_inv = scale_inv
 
 
-def block_quantize_rows(shard, quantizer):
-    """``(uint8 data, scale_inv)`` of ``shard``'s rows quantized in 2D blocks
-    by TE's own kernel (``quantizer``: a ``Float8BlockQuantizer`` with
-    ``block_scaling_dim=2``), rowwise usage only. Exact as the whole weight's
-    quantization where the shard's first row starts a block: every block
-    then lies in one shard. ``scale_inv`` has one row per 128-row block of
-    the shard and the block columns padded to a multiple of 4, as TE lays it
-    out."""
+class BlockCast:
+    """One weight's 2D-block cast, kept from one refresh to the next
+    (:func:`block_quantize_rows`): a copy of the weight quantizer, rowwise
+    usage only, and TE's ``Float8BlockwiseQTensor`` it writes."""
+
+    __slots__ = ("cast", "out")
+
+    def __init__(self, cast, out) -> None:
+        self.cast, self.out = cast, out
+
+    def fits(self, shard) -> bool:
+        return self.out._rowwise_data.shape == shard.shape and self.out._rowwise_data.device == shard.device
+
+
+def block_quantize_rows(shard, quantizer, kept=None):
+    """``(uint8 data, scale_inv, BlockCast)`` of ``shard``'s rows quantized
+    in 2D blocks by TE's own kernel (``quantizer``: a ``Float8BlockQuantizer``
+    with ``block_scaling_dim=2``), rowwise usage only. Exact as the whole
+    weight's quantization where the shard's first row starts a block: every
+    block then lies in one shard. ``scale_inv`` has one row per 128-row
+    block of the shard and the block columns padded to a multiple of 4, as
+    TE lays it out. ``kept``: a :class:`BlockCast` a previous call returned,
+    written over where it fits the shard, or None."""
     import torch
 
-    own = quantizer.copy()
-    own.set_usage(rowwise=True, columnwise=False)
-    own.internal = True
-    out = own.quantize(shard.contiguous())
-    return out._rowwise_data.view(torch.uint8), out._rowwise_scale_inv
+    source = shard.contiguous()
+    if isinstance(kept, BlockCast) and kept.fits(shard):
+        kept.cast.update_quantized(source, kept.out)
+    else:
+        own = quantizer.copy()
+        own.set_usage(rowwise=True, columnwise=False)
+        own.internal = False
+        kept = BlockCast(own, own.quantize(source))
+    return kept.out._rowwise_data.view(torch.uint8), kept.out._rowwise_scale_inv, kept
 
 
 def block_weight(data, scale_inv, dtype, quantizer):

@@ -138,7 +138,21 @@ def parity_rows(mesh, reshard: bool, microbatches: int, kind: str = "current") -
     world = dist.get_world_size()
     rows.append(_row(case, "reductions: the first gathers' and one per step", len(weights) * (world > 1) + 3 * (world > 1),
                      counts.reductions))
+    kept = _kept(setup.state)
+    _train(ours, opts[1], 1, 1)
+    rows.append(_row(case, "the next step's refresh writes over what the last one kept, every weight",
+                     (len(weights), kept), (sum(k is not None for k in kept.values()), _kept(setup.state))))
     return rows
+
+
+def _kept(state) -> dict[str, tuple[int, int] | None]:
+    """Per wrapped weight, where its shard's bytes and scales are, or None
+    where its last refresh kept nothing to make the next one in."""
+    out = {}
+    for name, p in state.wrapped():
+        link = p._local_tensor._link
+        out[name] = None if link.kept is None else (link.shard.data.data_ptr(), link.shard.scale_inv.data_ptr())
+    return out
 
 
 def attribution_rows(mesh) -> list[dict]:

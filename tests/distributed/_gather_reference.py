@@ -64,21 +64,33 @@ class CurrentScaling:
 
 class BatchCurrentScaling(CurrentScaling):
     """:class:`CurrentScaling` as a ``BatchShardQuantizer``: a refresh hands
-    it all its shards at once. Counts its batch calls (``batches``: statistics
-    and quantize_all calls, and the shards each took) and, as its base, every
-    shard quantized."""
+    it all its shards at once, and it writes a shard over the memory the
+    refresh offers it (``kept``: the last shard's data and scale_inv) where
+    they fit, as the TE binding keeps TE's cast objects. Counts its batch
+    calls (``batches``: statistics and quantize_all calls, and the shards
+    each took), how many shards of each quantize_all call went into kept
+    memory (``reused``) and, as its base, every shard quantized."""
 
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[tuple[str, int]] = []
+        self.reused: list[int] = []
 
-    def statistics(self, shards, layouts):
+    def statistics(self, shards, layouts, kept):
         self.batches.append(("statistics", len(shards)))
         return [self.statistic(s, layout) for s, layout in zip(shards, layouts)]
 
-    def quantize_all(self, shards, statistics, layouts):
+    def quantize_all(self, shards, statistics, layouts, kept):
         self.batches.append(("quantize_all", len(shards)))
-        return [self.quantize(s, t, layout) for s, t, layout in zip(shards, statistics, layouts)]
+        made, reused = [], 0
+        for shard, statistic, layout, old in zip(shards, statistics, layouts, kept):
+            data, scale_inv = self.quantize(shard, statistic, layout)
+            if old is not None and old[0].shape == data.shape and old[0].dtype == data.dtype:
+                old[0].copy_(data), old[1].copy_(scale_inv)
+                data, scale_inv, reused = old[0], old[1], reused + 1
+            made.append((data, scale_inv, (data, scale_inv)))
+        self.reused.append(reused)
+        return made
 
 
 class BlockScaling:

@@ -275,7 +275,20 @@ def parity_rows(cfg: Config, mesh) -> list[dict]:
         one = [("statistics", len(WEIGHTS)), ("quantize_all", len(WEIGHTS))]
         rows.append(row(cfg.name, "a batch quantizer: one statistics and one quantize_all call per refresh, all weights",
                         one * (cfg.steps + 1), quantizer.batches))
+        # FSDP2's lazy init re-pads the short shards (new storage: the shard is
+        # carried over, nothing kept), so the first step makes those in new memory.
+        rows.append(row(cfg.name, "shards written over the last ones' memory, per refresh (none at the prime)",
+                        [0, len(WEIGHTS) - short_shards(world)] + [len(WEIGHTS)] * (cfg.steps - 1), quantizer.reused))
     return rows
+
+
+def short_shards(world: int) -> int:
+    """How many of this rank's weight shards have fewer rows than FSDP2's padded shard."""
+    rank, short = dist.get_rank(), 0
+    for _, rows in SHAPES:
+        per = -(-rows // world)
+        short += max(0, min(per, rows - rank * per)) < per
+    return short
 
 
 def usage_row(cfg: Config, factory: RefFactory) -> dict:
@@ -378,6 +391,11 @@ def shard_ids(state) -> dict[str, int]:
     return {name: id(param._local_tensor._link.shard.data) for name, param in state.wrapped()}
 
 
+def shard_memory(state) -> dict[str, int]:
+    """Where each cached shard's bytes are (a remake in the kept memory keeps it)."""
+    return {name: param._local_tensor._link.shard.data.data_ptr() for name, param in state.wrapped()}
+
+
 def refresh_rows(mesh) -> list[dict]:
     """A shard is made again after a step that wrote its parameter, and not
     otherwise: not by microbatches, not by an optimizer holding other
@@ -410,6 +428,50 @@ def refresh_rows(mesh) -> list[dict]:
     rows.append(row("refresh", "a step holding the others remakes theirs",
                     (3, sorted(set(WEIGHTS) - {WEIGHTS[1]})), (quantizer.calls - start, changed)))
     rows.append(row("refresh", "no stale shard after the steps", [], stale_shards(state)))
+    return rows
+
+
+def sharded_param(model: nn.Module, name: str) -> torch.Tensor:
+    """FSDP2's sharded parameter ``name`` of ``model``, also while the module holds the gathered one."""
+    from workspace_manager._fsdp2 import fsdp2_parameters
+
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return next(r.sharded for r in fsdp2_parameters(model) if r.module is module and r.name == attr)
+
+
+def kept_rows(mesh) -> list[dict]:
+    """A refresh writes a shard over the last one's memory only where FSDP2
+    holds the weight sharded. With ``reshard_after_forward=False`` a forward
+    under ``no_grad`` leaves the gathered weights alive, and the next
+    forward reads them without gathering; a write and a refresh in between
+    must then get new memory, or that forward reads the old bytes with the
+    new scale (stock reads its old gathered bf16 weight). ``release`` drops
+    what is kept."""
+    cfg = Config(recipe="current_batch", reshard=False)
+    stock, ours, state, _ = build_pair(cfg, mesh)
+    quantizer = ours.blocks[0].lin.quantizer
+    state.refresh()
+    ids = shard_memory(state)
+    state.refresh()
+    rows = [row("kept", "a refresh with every weight sharded writes over the last shards", ([len(WEIGHTS)], ids),
+                (quantizer.reused[1:], shard_memory(state)))]
+    x = batch(0, 0, torch.bfloat16)
+    with torch.no_grad():
+        first = ours(x)
+        stock(x)
+        for model in (stock, ours):  # the sharded parameter: the module holds the gathered one now
+            local(sharded_param(model, WEIGHTS[2])).mul_(2.0)
+        state.refresh()
+        fresh = sorted(n for n, i in shard_memory(state).items() if i != ids[n])
+        again_s, again_q = stock(x), ours(x)
+    rows.append(row("kept", "a refresh while the gathered weights are alive: new memory for every shard",
+                    (0, sorted(WEIGHTS)), (quantizer.reused[-1], fresh)))
+    rows.append(row("kept", "the next forward (no gather) reads what the first gathered, as stock",
+                    (True, True), (torch.equal(again_q, again_s), torch.equal(again_q, first))))
+    state.release()
+    state.refresh()
+    rows.append(row("kept", "after release nothing is kept: new memory", 0, quantizer.reused[-1]))
     return rows
 
 
@@ -550,7 +612,8 @@ def run_all(mesh, out_dir: Path) -> list[dict]:
     cases += [(f"bytes {cfg.name}", lambda cfg=cfg: bytes_rows(cfg, mesh))
               for cfg in (Config(), Config(recipe="block"), Config(params="fp32_mp"))]
     cases += [("refusals", lambda: refusal_rows(mesh))]
-    cases += [("refresh", lambda: refresh_rows(mesh)), ("version", lambda: version_rows(mesh)),
+    cases += [("refresh", lambda: refresh_rows(mesh)), ("kept", lambda: kept_rows(mesh)),
+              ("version", lambda: version_rows(mesh)),
               ("no_step_hook", lambda: without_step_hook_rows(mesh)), ("dcp", lambda: dcp_rows(mesh, out_dir)),
               ("freed", lambda: freed_rows(mesh))]
     only = os.environ.get("GATHER_CASES")

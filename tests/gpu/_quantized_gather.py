@@ -224,32 +224,57 @@ def _weights_for_bytes() -> dict:
 def byte_cases(recipe_name: str) -> list[dict]:
     """The shard path's bytes and scales against TE's weight quantizer of
     the recipe, whole weights; for 2D blocks also the columnwise form the
-    gathered weight derives against the one TE quantizes."""
+    gathered weight derives against the one TE quantizes. Twice: made new,
+    then made again in what the first call kept (as every refresh after the
+    first makes them) from other values of the same shapes, which must land
+    in the same memory and again equal TE's."""
     from te_integration.te import _compat as te_compat
 
     recipe = make_recipe(recipe_name)
     quantizer = te_compat.weight_quantizer_of(recipe)
-    out = []
-    weights = _weights_for_bytes()
-    if recipe_name == "Float8CurrentScaling":
-        # all the weights in one call, as a refresh casts them (one scale kernel for all)
-        shards = list(weights.values())
-        made = dict(zip(weights, te_compat.cast_with_amaxes(shards, te_compat.shard_amaxes(shards), quantizer)))
-    for name, weight in weights.items():
+    out, kept = [], None
+    for round_ in ("new", "kept"):
+        weights = _weights_for_bytes()
+        if round_ == "kept":
+            weights = {name: -0.37 * w for name, w in weights.items()}
         if recipe_name == "Float8CurrentScaling":
-            quantizer.set_usage(rowwise=True, columnwise=False)
-            data, scale_inv = made[name]
-            stock = quantizer.quantize(weight)
-            row = {"data_equal": torch.equal(data, stock._data.view(torch.uint8)),
-                   "scale_inv_equal": torch.equal(scale_inv.reshape(1), stock._scale_inv.reshape(1))}
+            rows, kept = _current_bytes(te_compat, quantizer, weights, kept)
         else:
-            row = _block_bytes(te_compat, quantizer, weight)
-        out.append({"recipe": recipe_name, "weight": name, **{k: bool(v) for k, v in row.items()}})
+            rows, kept = _blocks_bytes(te_compat, quantizer, weights, kept)
+        out += [{"recipe": recipe_name, "weight": f"{name} ({round_})", **row} for name, row in rows.items()]
     return out
 
 
-def _block_bytes(te_compat, quantizer, weight) -> dict:
-    data, scale_inv = te_compat.block_quantize_rows(weight, quantizer)
+def _current_bytes(te_compat, quantizer, weights: dict, kept: dict | None) -> tuple[dict, dict]:
+    """All the weights in one call, as a refresh casts them (one scale kernel for all)."""
+    shards = list(weights.values())
+    before = [None] * len(shards) if kept is None else [kept[name] for name in weights]
+    made = dict(zip(weights, te_compat.cast_with_amaxes(shards, te_compat.shard_amaxes(shards), quantizer, before)))
+    rows = {}
+    for name, weight in weights.items():
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        data, scale_inv, slot = made[name]
+        stock = quantizer.quantize(weight)
+        rows[name] = {"data_equal": bool(torch.equal(data, stock._data.view(torch.uint8))),
+                      "scale_inv_equal": bool(torch.equal(scale_inv.reshape(1), stock._scale_inv.reshape(1)))}
+        if kept is not None:
+            rows[name]["kept_memory_equal"] = slot is kept[name] and data.data_ptr() == kept[name].data.data_ptr()
+    return rows, {name: made[name][2] for name in weights}
+
+
+def _blocks_bytes(te_compat, quantizer, weights: dict, kept: dict | None) -> tuple[dict, dict]:
+    rows, now = {}, {}
+    for name, weight in weights.items():
+        old = None if kept is None else kept[name]
+        data, scale_inv, now[name] = te_compat.block_quantize_rows(weight, quantizer, old[0] if old else None)
+        rows[name] = _block_bytes(te_compat, quantizer, weight, data, scale_inv)
+        if old is not None:
+            rows[name]["kept_memory_equal"] = (data.data_ptr(), scale_inv.data_ptr()) == old[1]
+        now[name] = (now[name], (data.data_ptr(), scale_inv.data_ptr()))
+    return rows, now
+
+
+def _block_bytes(te_compat, quantizer, weight, data, scale_inv) -> dict:
     both = quantizer.copy()
     both.set_usage(rowwise=True, columnwise=True)
     stock = both.quantize(weight)

@@ -67,14 +67,18 @@ def test_the_worker_ran_every_case(report, capsys):
 @pytest.mark.parametrize("recipe", EXACT)
 def test_the_shard_path_gives_te_s_bytes_and_scale(report, recipe):
     """The kernels the binding quantizes a shard with give what TE's own
-    weight quantizer gives the same whole weight, and (2D blocks) the
-    columnwise form the gathered weight derives is the one TE quantizes:
-    what every other test here rests on."""
+    weight quantizer gives the same whole weight, also when they write over
+    what the last refresh kept, and (2D blocks) the columnwise form the
+    gathered weight derives is the one TE quantizes: what every other test
+    here rests on."""
     _skip_unsupported(recipe)
     cases = [c for c in report["bytes"] if c["recipe"] == recipe]
     assert cases, "no byte case ran: " + _errors(report)
     wrong = [c for c in cases if not all(v for k, v in c.items() if k.endswith("_equal"))]
     assert not wrong, wrong
+    # The second round wrote each weight over what the first kept (as every refresh after the first).
+    again = [c for c in cases if c["weight"].endswith("(kept)")]
+    assert again and all("kept_memory_equal" in c for c in again), cases
 
 
 def _check_parity(c: dict, kind: str, microbatches: int, reshard: bool) -> None:

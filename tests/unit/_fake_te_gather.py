@@ -54,8 +54,19 @@ def shard_amaxes(shards: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(packed.split(1))
 
 
-def cast_with_amaxes(shards: list[torch.Tensor], amaxes: list[torch.Tensor], quantizer: Any) -> list:
-    return [cast_with_amax(s, a, quantizer) for s, a in zip(shards, amaxes)]
+def cast_with_amaxes(shards: list[torch.Tensor], amaxes: list[torch.Tensor], quantizer: Any, kept=None) -> list:
+    """As the TE layer's: ``(data, scale_inv, kept)``, written over ``kept``
+    (a previous call's ``(data, scale_inv)``) where it fits the shard."""
+    kept = kept if kept is not None else [None] * len(shards)
+    return [_into(cast_with_amax(s, a, quantizer), k) for s, a, k in zip(shards, amaxes, kept)]
+
+
+def _into(made: tuple[torch.Tensor, torch.Tensor], kept: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    data, scale_inv = made
+    if isinstance(kept, tuple) and kept[0].shape == data.shape and kept[1].shape == scale_inv.shape:
+        kept[0].copy_(data), kept[1].copy_(scale_inv)
+        data, scale_inv = kept
+    return data, scale_inv, (data, scale_inv)
 
 
 def dequantized(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -104,15 +115,16 @@ def _expand(grid: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
 
 
-def block_quantize_rows(shard: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(uint8 data, scale_inv)`` of a shard whose rows start a block: one
-    scale per block, the block columns padded to a multiple of 4 (as TE)."""
+def block_quantize_rows(shard: torch.Tensor, quantizer: Any, kept=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(uint8 data, scale_inv, kept)`` of a shard whose rows start a block:
+    one scale per block, the block columns padded to a multiple of 4 (as
+    TE); written over ``kept`` (a previous call's) where it fits."""
     amax = _block_grid(shard)
     scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
     data = _cast(shard, _expand(scale, *shard.shape)).view(torch.uint8)
     scale_inv = torch.zeros(amax.shape[0], -(-amax.shape[1] // 4) * 4)
     scale_inv[:, : amax.shape[1]] = 1.0 / scale
-    return data, scale_inv
+    return _into((data, scale_inv), kept)
 
 
 class Fp8BlockScalingQuantizer(Float8CurrentScalingQuantizer):
@@ -124,7 +136,7 @@ class Fp8BlockScalingQuantizer(Float8CurrentScalingQuantizer):
     def quantize(self, tensor, *, dtype=None):
         if isinstance(tensor, QuantizedTensorStorage):
             return super().quantize(tensor, dtype=dtype)
-        data, scale_inv = block_quantize_rows(tensor, self)
+        data, scale_inv, _ = block_quantize_rows(tensor, self)
         values = GatheredBlock(data, scale_inv, tensor.dtype, self).dequantize(torch.float32)
         return Workspace(values if self.rowwise_usage else None,
                          values.t().contiguous() if self.columnwise_usage else None, tensor, self)

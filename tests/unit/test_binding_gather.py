@@ -70,10 +70,10 @@ def test_the_block_statistic_is_the_scale_grid_with_this_shard_s_rows_and_no_pad
     gather = ti.gather
     real = gather.te.block_quantize_rows
 
-    def with_dirty_padding(shard, quantizer):
-        data, scale_inv = real(shard, quantizer)
+    def with_dirty_padding(shard, quantizer, kept=None):
+        data, scale_inv, kept = real(shard, quantizer, kept)
         scale_inv[:, 3:] = 7.0
-        return data, scale_inv
+        return data, scale_inv, kept
 
     monkeypatch.setattr(gather.te, "block_quantize_rows", with_dirty_padding)
     shards = gather.BlockScalingShards(gather.te.weight_quantizer_of(RECIPES.block()))
