@@ -32,6 +32,13 @@ and microbatch count:
            and the memory held between steps (over what was allocated
            before the model was built). Target: gather's peak at most
            stock's; held memory reported against bf16's.
+  fp8_params  (MoE stack; not in the default sections) TE's own FP8
+           parameters (``te.quantized_model_init``: each rank quantizes its
+           shard once per step and FSDP2 gathers FP8) against stock with
+           bf16 parameters, both with TE's FusedAdam and fp32 master
+           weights (FP8 parameters need it), and stock again: the step
+           time the issue's targets were set from, measured beside the
+           gather's. No target.
 
 A table then projects the measured bytes per parameter (gathered per
 all-gather, and held by the quantized shard, from the largest case run) to a
@@ -58,7 +65,7 @@ from ._runner import Job, add_plan_options, run_main
 
 NAME = "quantized_gather"
 STACKS = ("moe", "dense")
-SECTIONS = ("timing", "profile", "bytes", "memory")
+SECTIONS = ("timing", "profile", "bytes", "memory", "fp8_params")
 ORDER = ("stock", "dropin", "stock_again")
 DEFAULTS = {
     "stacks": (list(STACKS), ["moe"]),
@@ -183,6 +190,25 @@ def timed(case: Case, args: argparse.Namespace, dist) -> dict:
     return result if "timing" in args.sections else {"profile": result["profile"]}
 
 
+def fp8_params_timed(case: Case, args: argparse.Namespace, dist) -> dict:
+    """Stock with bf16 parameters, stock with FP8 parameters and stock
+    again, in turn, each with TE's FusedAdam (fp32 master weights)."""
+    from testbed.model import optimizer_for
+    from testbed.moe_mlp import build_moe_mlp_stack
+    from testbed.recipes import make_recipe
+
+    from ._stack import Steps, paired
+
+    def stack(quantized: bool):
+        return build_moe_mlp_stack(case.layers, 32, 2048, 1536, recipe=make_recipe(case.recipe),
+                                   quantized_params=quantized)
+
+    builders = {"stock": lambda: stack(False), "stock_fp8_params": lambda: stack(True),
+                "stock_again": lambda: stack(False)}
+    steps = Steps(warmup=args.warmup, probe=0, timed=args.steps, micro=case.micro)
+    return paired(builders, case.recipe, lambda step: batches(case, step), steps, dist, optimizer=optimizer_for)
+
+
 def gathered(case: Case, args: argparse.Namespace) -> dict:
     """Bytes the all-gathers of one step hand this rank, stock and gather,
     after ``args.warmup`` steps of each (each model alone)."""
@@ -231,6 +257,10 @@ def plan(args: argparse.Namespace, dist, world: int, total_gib: float) -> list[J
             jobs.append(Job(label=f"[timing] {case.name()}", meta={**meta, "section": "timing"},
                             run=lambda c=case: timed(c, args, dist),
                             estimate_s=estimate_seconds(case, args.warmup + args.steps, len(ORDER))))
+        if "fp8_params" in args.sections and case.stack == "moe":
+            jobs.append(Job(label=f"[fp8_params] {case.name()}", meta={**meta, "section": "fp8_params"},
+                            run=lambda c=case: fp8_params_timed(c, args, dist),
+                            estimate_s=estimate_seconds(case, args.warmup + args.steps, 3)))
         if "bytes" in args.sections:
             jobs.append(Job(label=f"[bytes] {case.name()}", meta={**meta, "section": "bytes"},
                             run=lambda c=case: gathered(c, args), estimate_s=estimate_seconds(case, 2, 2)))
@@ -253,6 +283,10 @@ def summarize(samples: list[dict], args=None) -> dict:
             if s.get("profile"):
                 rows += profile_rows(s)
                 tables += profile_tables(s)
+        elif s["section"] == "fp8_params":
+            rows += fp8_params_rows(s)
+            timings += [{"case": s["case"], "variant": label.replace("_", " ") + " (FusedAdam)",
+                         "samples_ms": [1e3 * v for v in times]} for label, times in s["step_time_s"].items()]
         elif s["section"] == "bytes":
             b = s["gathered_bytes"]
             rows.append(h.ratio_row(s["case"], "bytes all-gathered per step", "MiB", b["stock"] / h.MIB,
@@ -313,6 +347,15 @@ def timing_rows(sample: dict) -> list[dict]:
                                 comparable))
     return rows + [h.time_row(case, t["stock"], t["dropin"], limit=limit),
                    h.control_row(case, t["stock"], t["stock_again"])]
+
+
+def fp8_params_rows(sample: dict) -> list[dict]:
+    """FP8 parameters / bf16 parameters, stock TE and FusedAdam both; no target."""
+    case, t = sample["case"] + " FusedAdam", sample["step_time_s"]
+    row = h.time_row(case, t["stock"], t["stock_fp8_params"], limit=None)
+    row.update(metric="median step time, stock FP8 parameters / stock bf16 parameters",
+               note=row["note"] + "; TE's own FP8-parameter path (quantized_model_init), no target")
+    return [row, h.control_row(case, t["stock"], t["stock_again"])]
 
 
 def _losses_row(case: str, metric: str, same: bool, n: int, comparable: bool) -> dict:

@@ -796,26 +796,34 @@ def _sharded_by_gathered(model: torch.nn.Module) -> dict[int, Any]:
 
 def _entry(param: Any) -> _Entry | None:
     """The layout and shard group of a sharded wrapped parameter (a DTensor
-    sharded on dim 0 by FSDP2); None before ``fully_shard``."""
-    from torch.distributed.tensor import Shard
-
+    sharded on dim 0 by FSDP2); None before ``fully_shard``. Made once per
+    placement of the parameter and kept on its link (the refresh after
+    every step asks again for every weight)."""
     local = _local(param)
     if local is param:
         return None
-    dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
-    if len(dims) != 1 or param.placements[dims[0]].dim != 0:
-        raise InvalidContextError(
-            f"quantized gather: a parameter placed {param.placements} is not sharded on dim 0 by FSDP2 "
-            f"alone; leave it out of enable_quantized_gather (tensor parallel and Shard(dim>0) are not supported)."
-        )
     key, placed = (param.device_mesh, param.placements, tuple(param.shape)), local._link.placed
     if placed is None or placed[0][0] is not key[0] or placed[0][1:] != key[1:]:
-        mesh, dim = key[0], dims[0]
-        records = _fsdp_records(local)
-        mp_policy = getattr(records[1], "mp_policy", None) if records is not None else None
-        placed = local._link.placed = (key, (ShardLayout.of(key[2], mesh.get_local_rank(dim), mesh.size(dim)),
-                                             mesh.get_group(dim), mesh.size(dim), _cast_dtype(local, mp_policy)))
+        # The derived fields only: the link must not hold the tensors (see _Link.fsdp).
+        placed = local._link.placed = (key, _placed(local, *key))
     return _Entry(param, local, *placed[1])
+
+
+def _placed(local: ShardGatherWeight, mesh: Any, placements: Any, shape: tuple[int, ...]) -> tuple:
+    """``(layout, group, world, dtype)`` of a parameter placed so."""
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(dims) != 1 or placements[dims[0]].dim != 0:
+        raise InvalidContextError(
+            f"quantized gather: a parameter placed {placements} is not sharded on dim 0 by FSDP2 "
+            f"alone; leave it out of enable_quantized_gather (tensor parallel and Shard(dim>0) are not supported)."
+        )
+    dim = dims[0]
+    records = _fsdp_records(local)
+    mp_policy = getattr(records[1], "mp_policy", None) if records is not None else None
+    return (ShardLayout.of(shape, mesh.get_local_rank(dim), mesh.size(dim)), mesh.get_group(dim), mesh.size(dim),
+            _cast_dtype(local, mp_policy))
 
 
 def _by_group(entries: list[_Entry]) -> list[list[_Entry]]:

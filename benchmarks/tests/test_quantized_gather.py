@@ -149,3 +149,17 @@ def test_a_profiled_step_gives_its_counts_and_what_differs_most():
     assert (kernels["stock"], kernels["dropin"], kernels["ok"]) == (100, 120, False)
     calls = [t for t in result["tables"] if "Python-level calls" in t["title"]]
     assert calls and calls[0]["rows"][0][0] == "ours:refill"
+
+
+def test_fp8_parameters_are_timed_on_the_moe_stack_only_and_reported_without_a_target():
+    args = qg.parse(["--stacks", "moe,dense", "--recipes", "Float8CurrentScaling", "--microbatches", "4",
+                     "--sections", "timing,fp8_params"])
+    labels = [j.label for j in qg.plan(args, None, 1, 141.0) if j.meta["section"] == "fp8_params"]
+    assert labels == ["[fp8_params] moe 4L Float8CurrentScaling x4"]
+    t = {"stock": [0.100] * 10, "stock_fp8_params": [0.130] * 10, "stock_again": [0.101] * 10}
+    sample = {"section": "fp8_params", "case": "moe 4L Float8CurrentScaling x4", "step_time_s": t}
+    rows = qg.summarize([sample])["rows"]
+    case = "moe 4L Float8CurrentScaling x4 FusedAdam"
+    fp8 = row(rows, case, "median step time, stock FP8 parameters / stock bf16 parameters")
+    assert fp8["ratio"] == pytest.approx(1.3) and fp8["ok"] is None and fp8["target"] == ""
+    assert row(rows, case, "median step time, control: stock again / stock")["ratio"] == pytest.approx(1.01)

@@ -209,21 +209,34 @@ class BlockScalingShards:
         columns = -(-full_shape[-1] // _BLOCK_ROWS)
         return -(-full_shape[0] // _BLOCK_ROWS), -(-columns // 4) * 4
 
-    def _fill(self, shard: torch.Tensor, layout: ShardLayout, kept: Any) -> _BlockShard:
-        """The shard quantized, its scales in the grid's rows of this shard
-        and zeros elsewhere, in ``kept``'s memory where it fits."""
+    def _quantized(self, shard: torch.Tensor, layout: ShardLayout, kept: Any) -> tuple[_BlockShard, Any]:
+        """The shard quantized, in ``kept``'s memory where it fits, and
+        ``(grid rows of this shard, their scales)`` to copy (None for a shard
+        without rows); the grid is filled by :meth:`_fill`."""
         shape = self._grid_shape(layout.full_shape)
         fits = isinstance(kept, _BlockShard) and kept.grid.shape == shape and kept.data.shape == shard.shape
-        grid = kept.grid.zero_() if fits else torch.zeros(shape, dtype=torch.float32, device=shard.device)
+        grid = kept.grid if fits else torch.empty(shape, dtype=torch.float32, device=shard.device)
         if not layout.rows:
-            return _BlockShard(None, torch.empty(shard.shape, dtype=torch.uint8, device=shard.device), grid)
+            return _BlockShard(None, torch.empty(shard.shape, dtype=torch.uint8, device=shard.device), grid), None
         data, scale_inv, cast = te.block_quantize_rows(shard, self.quantizer, kept.cast if fits else None)
         first = layout.row_start // _BLOCK_ROWS
         # The weight's block columns only: TE leaves the padding columns
         # (up to a multiple of 4) as allocated, and they would enter the reduction.
         columns = -(-layout.full_shape[-1] // _BLOCK_ROWS)
-        grid[first:first + scale_inv.shape[0], :columns] = scale_inv[:, :columns]
-        return _BlockShard(cast, data, grid)
+        return _BlockShard(cast, data, grid), (grid[first:first + scale_inv.shape[0], :columns], scale_inv[:, :columns])
+
+    def _fill(self, shards: list[torch.Tensor], layouts: list[ShardLayout], kept: list[Any]) -> list[_BlockShard]:
+        """Each shard quantized and its grid holding its rows' scales, zeros
+        elsewhere: one zeroing and one copy for all the grids."""
+        made, copies = [], []
+        for shard, layout, old in zip(shards, layouts, kept):
+            block, copy = self._quantized(shard, layout, old)
+            made.append(block)
+            copies += [copy] if copy is not None else []
+        torch._foreach_zero_([m.grid for m in made])
+        if copies:
+            torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        return made
 
     def statistic(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
         return self.statistics([shard], [layout], [None])[0]
@@ -234,19 +247,17 @@ class BlockScalingShards:
         return data, grid
 
     def statistics(self, shards: list[torch.Tensor], layouts: list[ShardLayout], kept: list[Any]) -> list[torch.Tensor]:
-        out = []
-        for shard, layout, old in zip(shards, layouts, kept):
-            made = self._fill(shard, layout, old)
-            self._made[id(shard)] = (shard, made)
-            out.append(made.grid.reshape(-1))
-        return out
+        made = self._fill(shards, layouts, kept)
+        for shard, block in zip(shards, made):
+            self._made[id(shard)] = (shard, block)
+        return [block.grid.reshape(-1) for block in made]
 
     def quantize_all(self, shards: list[torch.Tensor], statistics: list[torch.Tensor], layouts: list[ShardLayout],
                      kept: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
         made = []
         for shard, layout in zip(shards, layouts):
             found = self._made.pop(id(shard), None)
-            made.append(found[1] if found is not None and found[0] is shard else self._fill(shard, layout, None))
+            made.append(found[1] if found is not None and found[0] is shard else self._fill([shard], [layout], [None])[0])
         # The reduced grids (views of the mechanism's one reduced buffer) into each shard's own grid.
         torch._foreach_copy_([m.grid for m in made],
                              [s.reshape(m.grid.shape) for s, m in zip(statistics, made)])
