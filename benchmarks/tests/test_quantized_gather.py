@@ -163,3 +163,9 @@ def test_fp8_parameters_are_timed_on_the_moe_stack_only_and_reported_without_a_t
     fp8 = row(rows, case, "median step time, stock FP8 parameters / stock bf16 parameters")
     assert fp8["ratio"] == pytest.approx(1.3) and fp8["ok"] is None and fp8["target"] == ""
     assert row(rows, case, "median step time, control: stock again / stock")["ratio"] == pytest.approx(1.01)
+
+
+def test_fp8_parameters_that_te_fails_to_train_are_reported_with_te_s_error():
+    sample = {"section": "fp8_params", "case": "moe 2L Float8BlockScaling x4", "te_failed": "ValueError: boom"}
+    (only,) = qg.summarize([sample])["rows"]
+    assert only["ratio"] is None and only["ok"] is None and "ValueError: boom" in only["note"]
