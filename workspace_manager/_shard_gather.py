@@ -51,7 +51,7 @@ When a shard is made
     reason FSDP2's own re-padding of a short shard (on those ranks only)
     carries the cached shard over instead of dropping it (``_carried_shard``).
 
-Where a shard is made
+In whose memory a shard is made
     A :class:`BatchShardQuantizer` may keep a weight's memory and framework
     objects from one refresh to the next and write the new shard over the
     old one (``kept``): building them is most of a refresh's cost. The

@@ -464,8 +464,8 @@ class CurrentCast:
     """One weight's Float8CurrentScaling cast, kept from one refresh to the
     next (:func:`cast_with_amaxes`): the FP8 bytes, the scale and its
     inverse, a ``Float8Quantizer`` over that scale and TE's ``Float8Tensor``
-    over those bytes, the cast's destination. Building these for every
-    weight at every refresh cost several times the cast itself."""
+    over those bytes, the cast's destination. Built anew for every weight
+    at every refresh, they cost more host time than the casts themselves."""
 
     __slots__ = ("data", "scale", "scale_inv", "cast", "out")
 
