@@ -263,14 +263,16 @@ def _current_bytes(te_compat, quantizer, weights: dict, kept: dict | None) -> tu
 
 
 def _blocks_bytes(te_compat, quantizer, weights: dict, kept: dict | None) -> tuple[dict, dict]:
+    """Each weight on its own, as the 2D-block refresh casts them; ``kept``
+    and the result: per weight, ``(BlockCast, where its bytes and scales are)``."""
     rows, now = {}, {}
     for name, weight in weights.items():
-        old = None if kept is None else kept[name]
-        data, scale_inv, now[name] = te_compat.block_quantize_rows(weight, quantizer, old[0] if old else None)
+        cast, memory = kept[name] if kept is not None else (None, None)
+        data, scale_inv, cast = te_compat.block_quantize_rows(weight, quantizer, cast)
         rows[name] = _block_bytes(te_compat, quantizer, weight, data, scale_inv)
-        if old is not None:
-            rows[name]["kept_memory_equal"] = (data.data_ptr(), scale_inv.data_ptr()) == old[1]
-        now[name] = (now[name], (data.data_ptr(), scale_inv.data_ptr()))
+        now[name] = (cast, (data.data_ptr(), scale_inv.data_ptr()))
+        if memory is not None:
+            rows[name]["kept_memory_equal"] = now[name][1] == memory
     return rows, now
 
 
